@@ -1,0 +1,208 @@
+"""One typed configuration for the engine and the daemon.
+
+Loaded once: ``OffloadConfig.from_env()`` reads ``KVCACHED_OFFLOAD_*`` variables, then callers (the
+CLI) override with ``dataclasses.replace``; ``__post_init__`` validates every field in one place.
+Nothing reads the environment at import time. A bad value raises :class:`ConfigError` naming the
+variable (or field) and the accepted values. The README's configuration table is generated from
+:func:`describe` and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+ENV_PREFIX = "KVCACHED_OFFLOAD_"
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB}
+
+
+def _opt(default: Any, env: str, doc: str, accepted: str = "") -> Any:
+    meta = {"env": ENV_PREFIX + env, "doc": doc, "accepted": accepted}
+    if isinstance(default, tuple):
+        return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """Every setting of kvtier, with its default. Fields map 1:1 to ``KVCACHED_OFFLOAD_<NAME>``."""
+
+    # --- tiers and policy -------------------------------------------------------------------
+    enabled: bool = _opt(True, "ENABLED", "Offload cold pages below the GPU tier at all.", "true|false")
+    cpu_memory_gb: float = _opt(4.0, "CPU_MEMORY_GB", "Pinned host memory budget (GiB), grown lazily.", ">= 0")
+    gpu_memory_gb: float = _opt(1.0, "GPU_MEMORY_GB", "Budget for daemon-allocated GPU page pools (GiB).", "> 0")
+    policy: str = _opt("lru", "POLICY", "Eviction policy: a registered name or 'module:Class'.", "lru|priority|hybrid|arc|s3fifo|...")
+    threshold: float = _opt(0.9, "THRESHOLD", "GPU use ratio above which pages are offloaded.", "0 < x <= 1")
+    low_watermark: float = _opt(0.8, "LOW_WATERMARK", "Offload down to this GPU use ratio.", "0 <= x < THRESHOLD")
+    prefetch: bool = _opt(False, "PREFETCH", "Bring offloaded pages back while the GPU has room.", "true|false")
+    page_size: int = _opt(256 * KIB, "PAGE_SIZE", "Default page size in bytes (64KiB, 2MiB, ...).", "4KiB..64MiB, multiple of 4KiB")
+    device: str = _opt("auto", "DEVICE", "Where the GPU tier lives; 'cpu' uses host shared memory.", "auto|cpu|cuda|cuda:N")
+    # --- disk tier --------------------------------------------------------------------------
+    disk_path: str = _opt("", "DISK_PATH", "Directory of the disk tier; empty disables it.", "a directory path")
+    disk_gb: float = _opt(0.0, "DISK_GB", "Disk tier budget (GiB); 0 disables it.", ">= 0")
+    disk_admission: str = _opt("reused", "DISK_ADMISSION", "Which pages evicted from CPU go to disk.", "always|reused|never")
+    disk_direct_io: bool = _opt(True, "DISK_DIRECT_IO", "Use O_DIRECT where the filesystem allows it.", "true|false")
+    disk_io_threads: int = _opt(4, "DISK_IO_THREADS", "Threads writing and reading disk pages.", "1..64")
+    # --- transfers --------------------------------------------------------------------------
+    pinned_chunk_mb: int = _opt(64, "PINNED_CHUNK_MB", "Size of each exact-size pinned host chunk (MiB).", "1..4096")
+    batch_mb: int = _opt(64, "BATCH_MB", "Most bytes moved by one transfer batch (gather + one DMA).", "1..4096")
+    max_inflight_mb: int = _opt(512, "MAX_INFLIGHT_MB", "Most bytes in flight across all transfers (MiB).", ">= BATCH_MB")
+    restore_timeout_s: float = _opt(30.0, "RESTORE_TIMEOUT_S", "Deadline for one restore (seconds).", "> 0")
+    # --- daemon -----------------------------------------------------------------------------
+    listen: tuple[str, ...] = _opt((), "LISTEN", "Listen addresses, comma-separated; default a unix socket in the runtime dir.", "unix:///path.sock|host:port")
+    metrics_addr: str = _opt("127.0.0.1:9464", "METRICS_ADDR", "Prometheus /metrics address; empty disables it.", "host:port")
+    token: str = _opt("", "TOKEN", "Shared secret required on TCP listeners (metadata 'authorization: Bearer ...').", "a string")
+    token_file: str = _opt("", "TOKEN_FILE", "File holding the TCP token (preferred over TOKEN).", "a file path")
+    grace_s: float = _opt(10.0, "GRACE_S", "Drain period on SIGTERM before exit (seconds).", "> 0")
+    max_message_mb: int = _opt(64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024")
+    log_level: str = _opt("info", "LOG_LEVEL", "Log verbosity.", "debug|info|warning|error")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> OffloadConfig:
+        """Build from ``KVCACHED_OFFLOAD_*`` variables; ``overrides`` (non-None) win."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            var = f.metadata["env"]
+            if var in env and env[var] != "":
+                kwargs[f.name] = _parse(f.name, var, env[var], f.default)
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
+
+    @property
+    def cpu_budget_bytes(self) -> int:
+        return int(self.cpu_memory_gb * GIB)
+
+    @property
+    def gpu_budget_bytes(self) -> int:
+        return int(self.gpu_memory_gb * GIB)
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return int(self.disk_gb * GIB) if self.disk_path else 0
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.batch_mb * MIB
+
+    def resolved_device(self) -> str:
+        """``auto`` becomes ``cuda:0`` when torch sees a GPU, else ``cpu``."""
+        if self.device != "auto":
+            return "cuda:0" if self.device == "cuda" else self.device
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+    def read_token(self) -> str:
+        """The TCP token: the token file's first line if set, else ``token``."""
+        if self.token_file:
+            try:
+                with open(self.token_file, encoding="utf-8") as fh:
+                    return fh.readline().strip()
+            except OSError as exc:
+                raise ConfigError(f"{ENV_PREFIX}TOKEN_FILE: cannot read {self.token_file!r}: {exc}") from exc
+        return self.token
+
+
+def parse_size(text: str) -> int:
+    """``"64KiB"`` → 65536. Accepts plain bytes and K/M/G with optional ``i``/``B``."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r}")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _parse(name: str, var: str, text: str, default: Any) -> Any:
+    parser: Callable[[str], Any]
+    if name == "page_size":
+        parser = parse_size
+    elif isinstance(default, bool):
+        parser = _parse_bool
+    elif isinstance(default, tuple):
+        return tuple(p.strip() for p in text.split(",") if p.strip())
+    else:
+        parser = type(default)
+    try:
+        return parser(text.strip())
+    except ValueError:
+        accepted = next(f.metadata["accepted"] for f in fields(OffloadConfig) if f.name == name)
+        raise ConfigError(f"{var}={text!r} is invalid; accepted: {accepted}") from None
+
+
+def _fail(name: str, value: Any) -> None:
+    f = next(f for f in fields(OffloadConfig) if f.name == name)
+    raise ConfigError(f"{f.metadata['env']}={value!r} is invalid; accepted: {f.metadata['accepted']}")
+
+
+def _validate(c: OffloadConfig) -> None:
+    for f in fields(c):
+        value = getattr(c, f.name)
+        expected = type(f.default) if f.default is not MISSING else object
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(c, f.name, float(value))
+        elif expected is tuple and isinstance(value, list):
+            object.__setattr__(c, f.name, tuple(value))
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            _fail(f.name, value)
+    checks: list[tuple[str, bool]] = [
+        ("cpu_memory_gb", c.cpu_memory_gb >= 0),
+        ("gpu_memory_gb", c.gpu_memory_gb > 0),
+        ("threshold", 0 < c.threshold <= 1),
+        ("low_watermark", 0 <= c.low_watermark < c.threshold),
+        ("page_size", 4 * KIB <= c.page_size <= 64 * MIB and c.page_size % (4 * KIB) == 0),
+        ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", c.device) is not None),
+        ("disk_gb", c.disk_gb >= 0),
+        ("disk_admission", c.disk_admission in ("always", "reused", "never")),
+        ("disk_io_threads", 1 <= c.disk_io_threads <= 64),
+        ("pinned_chunk_mb", 1 <= c.pinned_chunk_mb <= 4096),
+        ("batch_mb", 1 <= c.batch_mb <= 4096),
+        ("max_inflight_mb", c.max_inflight_mb >= c.batch_mb),
+        ("restore_timeout_s", c.restore_timeout_s > 0),
+        ("grace_s", c.grace_s > 0),
+        ("max_message_mb", 1 <= c.max_message_mb <= 1024),
+        ("log_level", c.log_level in ("debug", "info", "warning", "error")),
+        ("policy", bool(c.policy.strip())),
+    ]
+    for name, ok in checks:
+        if not ok:
+            _fail(name, getattr(c, name))
+    if c.disk_gb > 0 and not c.disk_path:
+        raise ConfigError(f"{ENV_PREFIX}DISK_GB={c.disk_gb} needs {ENV_PREFIX}DISK_PATH to be set")
+    for addr in c.listen:
+        if not (addr.startswith("unix://") or re.fullmatch(r"\[?[\w.:-]*\]?:\d{1,5}", addr)):
+            _fail("listen", addr)
+    if c.metrics_addr and not re.fullmatch(r"\[?[\w.:-]*\]?:\d{1,5}", c.metrics_addr):
+        _fail("metrics_addr", c.metrics_addr)
+
+
+def describe() -> list[tuple[str, str, str, str]]:
+    """(variable, default, accepted, meaning) for every setting: the README table's source."""
+    rows = []
+    for f in fields(OffloadConfig):
+        default = f.default
+        shown = ",".join(default) if isinstance(default, tuple) else str(default).lower() if isinstance(default, bool) else str(default)
+        rows.append((f.metadata["env"], shown, f.metadata["accepted"], f.metadata["doc"]))
+    return rows

@@ -1,0 +1,56 @@
+"""The one error hierarchy of kvtier.
+
+Every error a caller can see derives from :class:`KVTierError`. Capacity shortfall is *not* an
+exception inside the engine (it is an ordinary return value); :class:`CapacityError` exists for the
+edges (client, servicer) that must turn a shortfall into a status. Only the gRPC servicer maps these
+classes to status codes (see ``kvtier.server.errors``); the client maps status codes back.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base class of every kvtier error."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is invalid. The message names the variable/flag and accepted values."""
+
+
+class InvalidArgument(KVTierError, ValueError):
+    """A request field is invalid. ``field`` names it; nothing was changed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotFound(KVTierError, KeyError):
+    """An id (pool, page, key) is unknown to the caller's tenant. Never reveals other tenants."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want plain text
+        return str(self.args[0]) if self.args else "not found"
+
+
+class FailedPrecondition(KVTierError):
+    """The call is valid but the object is not in a state that allows it (e.g. not attached)."""
+
+
+class CapacityError(KVTierError):
+    """A budget is full and nothing could be evicted (pinned or in flight)."""
+
+
+class PageLost(KVTierError):
+    """A page's bytes were dropped (disk full, checksum failure); the caller must recompute them."""
+
+
+class Unavailable(KVTierError):
+    """The engine or daemon is shutting down; retry against a new instance."""
+
+
+class DeadlineExceeded(KVTierError, TimeoutError):
+    """A bounded wait ran out (a restore, a transfer, a drain)."""
+
+
+class CorruptPage(KVTierError):
+    """Stored bytes failed their checksum. Raised inside tiers; the engine turns it into a miss."""

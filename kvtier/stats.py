@@ -1,0 +1,65 @@
+"""Plain counters and snapshots the engine keeps on its hot paths.
+
+Only ``kvtier.metrics`` turns these into Prometheus series; everything here is a plain number so
+the engine, tests and ``kvtier status`` can read it without prometheus_client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.types import Direction, Tier
+
+
+@dataclass(slots=True)
+class DirectionCounters:
+    """Per medium pair: what moved and how long it took."""
+
+    bytes: int = 0
+    pages: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic counters (exported as ``*_total``)."""
+
+    moved: dict[Direction, DirectionCounters] = field(
+        default_factory=lambda: {d: DirectionCounters() for d in Direction}
+    )
+    evictions: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    drops: dict[str, int] = field(default_factory=dict)  # reason -> count (disk_full, corrupt, no_admission)
+    hits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    misses: int = 0
+    checksum_failures: int = 0
+    cancelled_offloads: int = 0
+    restore_latencies: list[float] = field(default_factory=list)  # drained by metrics
+    events_dropped: int = 0
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+
+@dataclass(slots=True, frozen=True)
+class TierStats:
+    tier: Tier
+    used_bytes: int
+    capacity_bytes: int
+    pages: int
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A consistent snapshot taken under the engine lock."""
+
+    tiers: tuple[TierStats, ...]
+    pools: int
+    tenants: int
+    queued_restores: int
+    queued_offloads: int
+    inflight_bytes: int
+    pinned_pages: int
+    keyed_pages: int
+    counters: EngineCounters
