@@ -3,7 +3,8 @@
 ``EvictionPolicy`` contract (one instance per tier; the engine serialises all calls under its lock):
     * ``insert(meta)``: the page became resident (evictable or pinned) in this tier. Inserting a
       tracked page is an internal error.
-    * ``touch(page_id)``: the page was accessed (acquired, read, looked up). Unknown ids are ignored.
+    * ``touch(page_id)``: the page was accessed (acquired, read, looked up). Unknown ids are
+      ignored.
     * ``update(meta)``: priority / position / length changed.
     * ``remove(page_id)``: the page left the tier other than through ``evict`` (freed, restored up).
       Unknown ids are ignored.
