@@ -115,9 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         if args.check:
             stale += 1
-            sys.stdout.writelines(difflib.unified_diff(
-                have.splitlines(True), want.splitlines(True), f"{rel} (committed)", f"{rel} (new)"
-            ))
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    have.splitlines(True),
+                    want.splitlines(True),
+                    f"{rel} (committed)",
+                    f"{rel} (new)",
+                )
+            )
         else:
             path.write_text(want, encoding="utf-8")
             print(f"wrote {rel}")

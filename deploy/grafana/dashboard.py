@@ -37,40 +37,99 @@ def _quantile(q: str) -> str:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("Tier occupancy", "percentunit",
-          ((f"sum by (tier) (kvtier_tier_used_bytes{{{SEL}}}) / "
-            f"sum by (tier) (kvtier_tier_capacity_bytes{{{SEL}}} > 0)", "{{tier}}"),),
-          "Used bytes over budget per tier (tiers with no budget are hidden).", 1.0),
-    Panel("Tier used bytes", "bytes",
-          ((f"sum by (tier) (kvtier_tier_used_bytes{{{SEL}}})", "{{tier}}"),)),
-    Panel("Bytes moved per direction", "Bps",
-          ((f"sum by (direction) (rate(kvtier_moved_bytes_total{{{SEL}}}[{RATE}]))",
-            "{{direction}}"),)),
-    Panel("Restore latency", "s",
-          ((_quantile("0.5"), "p50"), (_quantile("0.99"), "p99")),
-          "Time from a restore request until the page is resident on the GPU."),
-    Panel("Queue depths", "short",
-          ((f"sum by (queue) (kvtier_queue_depth{{{SEL}}})", "{{queue}}"),
-           (f"sum(kvtier_inflight_bytes{{{SEL}}}) / 1048576", "in flight (MiB)"))),
-    Panel("Hit ratio per tier", "percentunit",
-          ((f"sum by (tier) (rate(kvtier_hits_total{{{SEL}}}[{RATE}])) / scalar("
-            f"sum(rate(kvtier_hits_total{{{SEL}}}[{RATE}])) + "
-            f"sum(rate(kvtier_misses_total{{{SEL}}}[{RATE}])))", "{{tier}}"),),
-          "Share of lookups answered from each tier; the rest are misses.", 1.0),
-    Panel("Evictions", "ops",
-          ((f"sum by (tier) (rate(kvtier_evictions_total{{{SEL}}}[{RATE}]))", "{{tier}}"),)),
-    Panel("Drops and checksum failures", "ops",
-          ((f"sum by (reason) (rate(kvtier_drops_total{{{SEL}}}[{RATE}]))", "drop: {{reason}}"),
-           (f"sum(rate(kvtier_checksum_failures_total{{{SEL}}}[{RATE}]))", "checksum failures"),
-           (f"sum by (direction) (rate(kvtier_transfer_failures_total{{{SEL}}}[{RATE}]))",
-            "transfer failed: {{direction}}")),
-          "Any non-zero value means cached pages were lost (never served wrong)."),
-    Panel("Attached engines and pinned pages", "short",
-          ((f"sum(kvtier_attached_engines{{{SEL}}})", "attached engines"),
-           (f"sum(kvtier_pinned_pages{{{SEL}}})", "pinned pages"))),
-    Panel("RPC latency p99 per method", "s",
-          ((f"histogram_quantile(0.99, sum by (le, method) "
-            f"(rate(kvtier_rpc_latency_seconds_bucket{{{SEL}}}[{RATE}])))", "{{method}}"),)),
+    Panel(
+        "Tier occupancy",
+        "percentunit",
+        (
+            (
+                f"sum by (tier) (kvtier_tier_used_bytes{{{SEL}}}) / "
+                f"sum by (tier) (kvtier_tier_capacity_bytes{{{SEL}}} > 0)",
+                "{{tier}}",
+            ),
+        ),
+        "Used bytes over budget per tier (tiers with no budget are hidden).",
+        1.0,
+    ),
+    Panel(
+        "Tier used bytes",
+        "bytes",
+        ((f"sum by (tier) (kvtier_tier_used_bytes{{{SEL}}})", "{{tier}}"),),
+    ),
+    Panel(
+        "Bytes moved per direction",
+        "Bps",
+        (
+            (
+                f"sum by (direction) (rate(kvtier_moved_bytes_total{{{SEL}}}[{RATE}]))",
+                "{{direction}}",
+            ),
+        ),
+    ),
+    Panel(
+        "Restore latency",
+        "s",
+        ((_quantile("0.5"), "p50"), (_quantile("0.99"), "p99")),
+        "Time from a restore request until the page is resident on the GPU.",
+    ),
+    Panel(
+        "Queue depths",
+        "short",
+        (
+            (f"sum by (queue) (kvtier_queue_depth{{{SEL}}})", "{{queue}}"),
+            (f"sum(kvtier_inflight_bytes{{{SEL}}}) / 1048576", "in flight (MiB)"),
+        ),
+    ),
+    Panel(
+        "Hit ratio per tier",
+        "percentunit",
+        (
+            (
+                f"sum by (tier) (rate(kvtier_hits_total{{{SEL}}}[{RATE}])) / scalar("
+                f"sum(rate(kvtier_hits_total{{{SEL}}}[{RATE}])) + "
+                f"sum(rate(kvtier_misses_total{{{SEL}}}[{RATE}])))",
+                "{{tier}}",
+            ),
+        ),
+        "Share of lookups answered from each tier; the rest are misses.",
+        1.0,
+    ),
+    Panel(
+        "Evictions",
+        "ops",
+        ((f"sum by (tier) (rate(kvtier_evictions_total{{{SEL}}}[{RATE}]))", "{{tier}}"),),
+    ),
+    Panel(
+        "Drops and checksum failures",
+        "ops",
+        (
+            (f"sum by (reason) (rate(kvtier_drops_total{{{SEL}}}[{RATE}]))", "drop: {{reason}}"),
+            (f"sum(rate(kvtier_checksum_failures_total{{{SEL}}}[{RATE}]))", "checksum failures"),
+            (
+                f"sum by (direction) (rate(kvtier_transfer_failures_total{{{SEL}}}[{RATE}]))",
+                "transfer failed: {{direction}}",
+            ),
+        ),
+        "Any non-zero value means cached pages were lost (never served wrong).",
+    ),
+    Panel(
+        "Attached engines and pinned pages",
+        "short",
+        (
+            (f"sum(kvtier_attached_engines{{{SEL}}})", "attached engines"),
+            (f"sum(kvtier_pinned_pages{{{SEL}}})", "pinned pages"),
+        ),
+    ),
+    Panel(
+        "RPC latency p99 per method",
+        "s",
+        (
+            (
+                f"histogram_quantile(0.99, sum by (le, method) "
+                f"(rate(kvtier_rpc_latency_seconds_bucket{{{SEL}}}[{RATE}])))",
+                "{{method}}",
+            ),
+        ),
+    ),
 )
 
 
@@ -119,11 +178,13 @@ def build() -> dict[str, Any]:
         "version": 1,
         "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"},
-        "templating": {"list": [
-            datasource,
-            _variable("job", "label_values(kvtier_build_info, job)"),
-            _variable("instance", 'label_values(kvtier_build_info{job=~"$job"}, instance)'),
-        ]},
+        "templating": {
+            "list": [
+                datasource,
+                _variable("job", "label_values(kvtier_build_info, job)"),
+                _variable("instance", 'label_values(kvtier_build_info{job=~"$job"}, instance)'),
+            ]
+        },
         "panels": [_panel(i, p) for i, p in enumerate(PANELS)],
     }
 
