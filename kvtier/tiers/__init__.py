@@ -1,0 +1,1 @@
+"""Tier stores: the GPU page pool, the pinned host arena and the disk store (see ``base``)."""

@@ -1,0 +1,237 @@
+"""The GPU tier of one attached engine: a fixed array of page slots in one or more segments.
+
+Contract (see ``kvtier.tiers.base``):
+    * ``DevicePool.allocate(num_slots, page_size, device)``: daemon-owned memory. ``"cuda:N"`` is
+      one ``torch.empty`` device allocation; ``"cpu"`` is a file ``kvtier-<uuid>`` in ``/dev/shm``
+      (else the temp dir) mapped shared, so a second process can map the same bytes.
+    * ``DevicePool.from_segments(segments)``: engine-owned memory; each segment a 2-D ``uint8``
+      tensor ``[num_slots, seg_bytes]`` with contiguous rows (row stride may exceed ``seg_bytes``).
+      Such a pool has no ``handle()``: the engine that registered it already maps it.
+    * ``alloc(n)`` all or nothing, lowest free slots first; ``free(slots)``; ``num_free``.
+    * ``gather_rows(slots) -> [len, page_size]`` and ``scatter_rows(slots, src)`` copy whole pages
+      (the concatenation of each segment's row) on the pool's device.
+    * ``handle()`` -> ``PoolHandle``; ``open_handle(handle)`` maps it in another process as a
+      ``[num_slots, page_size]`` tensor. ``close()`` drops the memory and unlinks the shm file;
+      idempotent.
+CUDA handles are the pickled result of ``torch.multiprocessing.reductions.reduce_tensor`` (CUDA
+IPC memory handle + torch's cross-process ref counter). They are capabilities: never log them.
+``open_handle`` unpickles them with an allow-list of torch names only, and both processes must run
+as the same user on the same GPU. All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import io
+import os
+import pickle
+import tempfile
+import threading
+import uuid
+from typing import Any
+
+import torch
+
+from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.tiers.base import PoolHandle
+from kvtier.types import SlotIndex
+
+_SHM_DIR = "/dev/shm"
+_IPC_GLOBALS = {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch", "Tensor"),
+    ("torch._tensor", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "uint8"),
+    ("torch", "device"),
+    ("torch", "UntypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "TypedStorage"),
+}
+
+
+class DevicePool:
+    """Fixed page slots of one pool; the engine's page table maps pages to these slots."""
+
+    def __init__(
+        self, segments: list[torch.Tensor], *, shm_path: str = "", owned: bool = False
+    ) -> None:
+        """Use ``allocate`` or ``from_segments``; this trusts already-validated segments."""
+        self.segments = segments
+        self.num_slots = segments[0].shape[0]
+        self.page_size = sum(s.shape[1] for s in segments)
+        self.device = str(segments[0].device)
+        self.shm_path = shm_path
+        self.owned = owned
+        self._free = list(range(self.num_slots))  # a heap: lowest slot first
+        self._is_free = bytearray(b"\x01") * self.num_slots
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def allocate(cls, num_slots: int, page_size: int, device: str) -> DevicePool:
+        """A daemon-owned pool of ``num_slots * page_size`` bytes on ``device``."""
+        if num_slots <= 0:
+            raise InvalidArgument("num_slots", f"must be > 0, got {num_slots}")
+        if page_size <= 0:
+            raise InvalidArgument("page_size", f"must be > 0, got {page_size}")
+        if device == "cpu":
+            path = _new_shm_file(num_slots * page_size)
+            flat = torch.from_file(path, shared=True, size=num_slots * page_size, dtype=torch.uint8)
+            return cls([flat.view(num_slots, page_size)], shm_path=path, owned=True)
+        if not device.startswith("cuda"):
+            raise InvalidArgument("device", f"expected 'cpu' or 'cuda:N', got {device!r}")
+        data = torch.empty((num_slots, page_size), dtype=torch.uint8, device=device)
+        return cls([data], owned=True)
+
+    @classmethod
+    def from_segments(cls, segments: list[torch.Tensor]) -> DevicePool:
+        """A pool over engine-owned memory. Raises ``InvalidArgument`` naming the bad segment."""
+        if not segments:
+            raise InvalidArgument("segments", "at least one segment is required")
+        first = segments[0]
+        for i, seg in enumerate(segments):
+            name = f"segments[{i}]"
+            if not isinstance(seg, torch.Tensor):
+                raise InvalidArgument(name, f"expected a torch.Tensor, got {type(seg).__name__}")
+            if seg.dtype != torch.uint8 or seg.dim() != 2:
+                raise InvalidArgument(name, f"expected 2-D uint8, got {seg.dim()}-D {seg.dtype}")
+            if seg.shape[0] != first.shape[0] or seg.shape[0] == 0:
+                raise InvalidArgument(name, f"{seg.shape[0]} rows; expected {first.shape[0]} > 0")
+            if seg.shape[1] == 0 or seg.stride(1) != 1 or seg.stride(0) < seg.shape[1]:
+                raise InvalidArgument(name, f"rows must be contiguous, stride {seg.stride()}")
+            if seg.device != first.device:
+                raise InvalidArgument(name, f"on {seg.device}, segments[0] on {first.device}")
+        return cls(list(segments))
+
+    # ---- slots ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[SlotIndex] | None:
+        """The ``n`` lowest free slots, or ``None`` (nothing changed) if fewer are free."""
+        if n < 0:
+            raise InvalidArgument("n", f"must be >= 0, got {n}")
+        with self._lock:
+            if n > len(self._free):
+                return None
+            out = [heapq.heappop(self._free) for _ in range(n)]
+            for s in out:
+                self._is_free[s] = 0
+            return [SlotIndex(s) for s in out]
+
+    def free(self, slots: list[SlotIndex]) -> None:
+        """Return slots. Freeing a free or out-of-range slot is an internal error (assert)."""
+        with self._lock:
+            for s in slots:
+                assert 0 <= s < self.num_slots and not self._is_free[s], f"bad free of slot {s}"
+                self._is_free[s] = 1
+                heapq.heappush(self._free, int(s))
+
+    # ---- page copies ---------------------------------------------------------------------
+    def gather_rows(self, slots: list[SlotIndex], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pages ``slots`` as a ``[len(slots), page_size]`` tensor on the pool's device."""
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        if out is None:
+            out = torch.empty((len(slots), self.page_size), dtype=torch.uint8, device=self.device)
+        if len(self.segments) == 1:
+            return torch.index_select(self.segments[0], 0, idx, out=out)
+        off = 0
+        for seg in self.segments:
+            width = seg.shape[1]
+            out[:, off : off + width] = seg.index_select(0, idx)
+            off += width
+        return out
+
+    def scatter_rows(self, slots: list[SlotIndex], src: torch.Tensor) -> None:
+        """Write ``src[j]`` (``[len(slots), page_size]``, same device) into page ``slots[j]``.
+
+        ``slots`` must be distinct.
+        """
+        if src.shape != (len(slots), self.page_size):
+            raise InvalidArgument("src", f"shape {tuple(src.shape)} != ({len(slots)}, page_size)")
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        off = 0
+        for seg in self.segments:
+            width = seg.shape[1]
+            seg.index_copy_(0, idx, src[:, off : off + width])
+            off += width
+
+    # ---- sharing and lifecycle -----------------------------------------------------------
+    def handle(self) -> PoolHandle:
+        """What a second process needs to map this pool (``open_handle``)."""
+        if self._closed:
+            raise FailedPrecondition("pool is closed")
+        if not self.owned:
+            raise FailedPrecondition("engine-registered pool: its memory is mapped by its owner")
+        kind = "shm" if self.shm_path else "cuda_ipc"
+        ipc = b"" if self.shm_path else _cuda_ipc_bytes(self.segments[0])
+        return PoolHandle(kind, self.num_slots, self.page_size, self.device, self.shm_path, ipc)
+
+    def close(self) -> None:
+        """Drop the memory (views held elsewhere keep theirs alive) and unlink the shm file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.segments = []
+            if self.shm_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.shm_path)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> DevicePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_handle(handle: PoolHandle) -> torch.Tensor:
+    """Map a pool made by another process as a ``[num_slots, page_size]`` ``uint8`` tensor."""
+    size = handle.num_slots * handle.page_size
+    if handle.kind == "shm":
+        flat = torch.from_file(handle.shm_path, shared=True, size=size, dtype=torch.uint8)
+        return flat.view(handle.num_slots, handle.page_size)
+    if handle.kind == "cuda_ipc":
+        fn, args = _IpcUnpickler(io.BytesIO(handle.ipc)).load()
+        tensor: torch.Tensor = fn(*args)
+        return tensor.view(handle.num_slots, handle.page_size)
+    raise InvalidArgument("handle.kind", f"expected 'shm' or 'cuda_ipc', got {handle.kind!r}")
+
+
+def _new_shm_file(nbytes: int) -> str:
+    """Create a private (0600) file of ``nbytes`` for a shared mapping; return its path."""
+    base = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else tempfile.gettempdir()
+    path = os.path.join(base, f"kvtier-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def _cuda_ipc_bytes(tensor: torch.Tensor) -> bytes:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(tensor))
+
+
+class _IpcUnpickler(pickle.Unpickler):
+    """Resolves only the torch names a CUDA tensor handle needs: a handle can't run other code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _IPC_GLOBALS:
+            raise InvalidArgument("handle.ipc", f"unexpected global {module}.{name}")
+        return super().find_class(module, name)
