@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from kvtier.policy.admission import AlwaysAdmit, NeverAdmit, ReusedAdmit, create_admission
+from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import AdmissionPolicy, EvictionPolicy
+from kvtier.policy.hybrid import HybridPolicy
 from kvtier.policy.lru import LRUPolicy
+from kvtier.policy.priority import PriorityPolicy
 from kvtier.policy.registry import create_policy, known_policies
+from kvtier.policy.s3fifo import S3FIFOPolicy
 
 __all__ = [
+    "ARCPolicy",
     "AdmissionPolicy",
     "AlwaysAdmit",
     "EvictionPolicy",
+    "HybridPolicy",
     "LRUPolicy",
     "NeverAdmit",
+    "PriorityPolicy",
     "ReusedAdmit",
+    "S3FIFOPolicy",
     "create_admission",
     "create_policy",
     "known_policies",

@@ -30,6 +30,10 @@ _VAR = f"{ENV_PREFIX}POLICY"
 BUILTIN_POLICIES: Mapping[str, str] = MappingProxyType(
     {
         "lru": "kvtier.policy.lru:LRUPolicy",
+        "priority": "kvtier.policy.priority:PriorityPolicy",
+        "hybrid": "kvtier.policy.hybrid:HybridPolicy",
+        "arc": "kvtier.policy.arc:ARCPolicy",
+        "s3fifo": "kvtier.policy.s3fifo:S3FIFOPolicy",
     }
 )
 
