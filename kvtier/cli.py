@@ -1,0 +1,95 @@
+"""``kvtier`` command line: ``serve`` (the daemon), ``status`` and ``bench``.
+
+Settings come from ``KVCACHED_OFFLOAD_*`` variables; flags override them. A bad value exits 2 with
+a message naming the flag or variable and the accepted values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from kvtier.config import OffloadConfig
+from kvtier.errors import ConfigError
+
+# flag -> (config field, argparse type); help text comes from the config field's documentation.
+SERVE_FLAGS: dict[str, tuple[str, Any]] = {
+    "--listen": ("listen", str),
+    "--metrics-addr": ("metrics_addr", str),
+    "--device": ("device", str),
+    "--disk-path": ("disk_path", str),
+    "--disk-gb": ("disk_gb", float),
+    "--cpu-memory-gb": ("cpu_memory_gb", float),
+    "--gpu-memory-gb": ("gpu_memory_gb", float),
+    "--policy": ("policy", str),
+    "--token-file": ("token_file", str),
+    "--grace": ("grace_s", float),
+    "--log-level": ("log_level", str),
+}
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the daemon", description="Run the kvtier daemon.")
+    meta = {f.name: f for f in fields(OffloadConfig)}
+    for flag, (name, typ) in SERVE_FLAGS.items():
+        f = meta[name]
+        text = f"{f.metadata['doc']} Accepted: {f.metadata['accepted']}. Env: {f.metadata['env']}."
+        if name == "listen":
+            p.add_argument(flag, dest=name, action="append", metavar="ADDR",
+                           help=text + " Repeatable.")
+        else:
+            p.add_argument(flag, dest=name, type=typ, help=text)
+
+
+def _not_implemented(name: str) -> Any:
+    def run(_args: argparse.Namespace) -> int:
+        print(f"kvtier {name}: not implemented yet", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache tiering daemon.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    sub.add_parser("status", help="show a running daemon's state").set_defaults(
+        func=_not_implemented("status"))
+    sub.add_parser("bench", help="measure transfer throughput").set_defaults(
+        func=_not_implemented("bench"))
+    return parser
+
+
+def _config(args: argparse.Namespace) -> OffloadConfig:
+    overrides = {name: getattr(args, name) for name, _ in SERVE_FLAGS.values()}
+    if overrides["listen"] is not None:
+        overrides["listen"] = tuple(overrides["listen"])
+    try:
+        return OffloadConfig.from_env(**overrides)
+    except ConfigError as exc:
+        given = [flag for flag, (name, _) in SERVE_FLAGS.items() if overrides[name] is not None]
+        raise ConfigError(f"{exc} (flags given: {', '.join(given) or 'none'})") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvtier.server.main import run
+
+    return run(_config(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", _serve)
+    try:
+        return int(func(args))
+    except ConfigError as exc:
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Prometheus export of the engine's plain counters (the only module importing prometheus_client).
+
+A :class:`DaemonMetrics` owns its own ``CollectorRegistry`` (no global state). Engine series are
+read from ``engine.stats()`` at scrape time by a custom collector; RPC series are observed by the
+server interceptor. Names are a contract with dashboards and alerts (``deploy/metrics.txt``):
+change them only together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.stats import EngineStats
+from kvtier.types import Direction, Tier
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+METRIC_NAMES = (
+    "kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes", "kvtier_tier_pages",
+    "kvtier_moved_bytes_total", "kvtier_moved_pages_total", "kvtier_transfer_seconds_total",
+    "kvtier_transfer_failures_total", "kvtier_restore_latency_seconds",
+    "kvtier_rpc_latency_seconds", "kvtier_rpc_errors_total", "kvtier_queue_depth",
+    "kvtier_inflight_bytes", "kvtier_evictions_total", "kvtier_drops_total",
+    "kvtier_checksum_failures_total", "kvtier_hits_total", "kvtier_misses_total",
+    "kvtier_attached_engines", "kvtier_pinned_pages", "kvtier_build_info",
+)
+
+
+def _tier(t: Tier) -> str:
+    return t.name.lower()
+
+
+def _direction(d: Direction) -> str:
+    return d.name.lower()
+
+
+class EngineCollector(Collector):
+    """Reads one stats snapshot per scrape; drains restore latencies into a histogram."""
+
+    def __init__(self, engine: Any, version: str) -> None:
+        self._engine = engine
+        self._version = version
+        self._restore = Histogram(
+            "kvtier_restore_latency_seconds", "Time from a restore request to the page on the GPU.",
+            buckets=LATENCY_BUCKETS, registry=None,
+        )
+
+    def _drain_restores(self, stats: EngineStats) -> None:
+        drain: Callable[[], list[float]] | None = getattr(
+            self._engine, "drain_restore_latencies", None
+        )
+        if drain is not None:
+            samples = drain()
+        else:  # the live list: take a prefix, the engine only appends
+            live = stats.counters.restore_latencies
+            samples = live[:]
+            del live[: len(samples)]
+        for s in samples:
+            self._restore.observe(s)
+
+    def collect(self) -> Iterator[Metric]:
+        s: EngineStats = self._engine.stats()
+        self._drain_restores(s)
+        yield from self._tiers(s)
+        yield from self._moves(s)
+        yield from self._engine_totals(s)
+        yield from self._restore.collect()
+        build = GaugeMetricFamily("kvtier_build_info", "kvtier version (1).", labels=["version"])
+        build.add_metric([self._version], 1)
+        yield build
+
+    def _tiers(self, s: EngineStats) -> Iterator[Metric]:
+        used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes in use.", labels=["tier"])
+        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Budget per tier.", labels=["tier"])
+        pages = GaugeMetricFamily("kvtier_tier_pages", "Pages resident per tier.", labels=["tier"])
+        for t in s.tiers:
+            used.add_metric([_tier(t.tier)], t.used_bytes)
+            cap.add_metric([_tier(t.tier)], t.capacity_bytes)
+            pages.add_metric([_tier(t.tier)], t.pages)
+        queue = GaugeMetricFamily("kvtier_queue_depth", "Queued transfers.", labels=["queue"])
+        queue.add_metric(["restore"], s.queued_restores)
+        queue.add_metric(["offload"], s.queued_offloads)
+        yield from (used, cap, pages, queue)
+        yield GaugeMetricFamily("kvtier_inflight_bytes", "Bytes in flight.", value=s.inflight_bytes)
+        yield GaugeMetricFamily("kvtier_attached_engines", "Attached pools.", value=s.pools)
+        yield GaugeMetricFamily("kvtier_pinned_pages", "Pinned pages.", value=s.pinned_pages)
+
+    def _moves(self, s: EngineStats) -> Iterator[Metric]:
+        lab = ["direction"]
+        fams = {
+            "bytes": CounterMetricFamily("kvtier_moved_bytes_total", "Bytes moved.", labels=lab),
+            "pages": CounterMetricFamily("kvtier_moved_pages_total", "Pages moved.", labels=lab),
+            "seconds": CounterMetricFamily(
+                "kvtier_transfer_seconds_total", "Time spent in transfers.", labels=lab),
+            "failures": CounterMetricFamily(
+                "kvtier_transfer_failures_total", "Failed transfer batches.", labels=lab),
+        }
+        for d, m in s.counters.moved.items():
+            for attr, fam in fams.items():
+                fam.add_metric([_direction(d)], getattr(m, attr))
+        yield from fams.values()
+
+    def _engine_totals(self, s: EngineStats) -> Iterator[Metric]:
+        c = s.counters
+        ev = CounterMetricFamily("kvtier_evictions_total", "Pages evicted.", labels=["tier"])
+        hits = CounterMetricFamily("kvtier_hits_total", "Lookup hits per tier.", labels=["tier"])
+        for t in Tier:
+            ev.add_metric([_tier(t)], c.evictions.get(t, 0))
+            hits.add_metric([_tier(t)], c.hits.get(t, 0))
+        drops = CounterMetricFamily("kvtier_drops_total", "Pages dropped.", labels=["reason"])
+        for reason, n in sorted(c.drops.items()):
+            drops.add_metric([reason], n)
+        yield from (ev, hits, drops)
+        yield CounterMetricFamily("kvtier_misses_total", "Lookup misses.", value=c.misses)
+        yield CounterMetricFamily(
+            "kvtier_checksum_failures_total", "Pages failing checksum.", value=c.checksum_failures)
+
+
+class DaemonMetrics:
+    """The daemon's registry: engine series plus RPC latency and errors."""
+
+    def __init__(self, engine: Any, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine, version))
+        self._latency = Histogram(
+            "kvtier_rpc_latency_seconds", "gRPC call latency.", ["method"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self._errors = Counter(
+            "kvtier_rpc_errors", "gRPC calls ending with a non-OK status.", ["method", "code"],
+            registry=self.registry,
+        )
+        self._server: Any = None
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._latency.labels(method).observe(seconds)
+        if code != "OK":
+            self._errors.labels(method, code).inc()
+
+    def serve(self, addr: str) -> int:
+        """Serve /metrics on ``host:port``; returns the bound port."""
+        host, _, port = addr.rpartition(":")
+        server, _thread = start_http_server(int(port), host.strip("[]") or "0.0.0.0",
+                                            registry=self.registry)
+        self._server = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,136 @@
+"""Building the daemon's gRPC server: listeners, services, interceptors, drain.
+
+``create_server(config, engine) -> (server, ports)``. Unix sockets are the default and are protected
+by permissions (socket 0660 in a 0750 directory); TCP listeners exist only when an address is
+given, and then a token is required (checked by ``interceptors.Gate``; health is exempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvtier.config import ENV_PREFIX, MIB, OffloadConfig
+from kvtier.errors import ConfigError
+from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
+
+from .auth import TokenAuth
+from .interceptors import Gate, Observe
+from .servicer import KVTierServicer
+from .tenancy import Tenancy
+
+SERVICE = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
+SOCKET_NAME = "kvtier.sock"
+
+
+def default_socket_dir(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    if env.get("RUNTIME_DIRECTORY"):
+        return env["RUNTIME_DIRECTORY"].split(":")[0]
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "kvtier")
+    return f"/tmp/kvtier-{os.getuid()}"
+
+
+def listen_addresses(config: OffloadConfig) -> tuple[list[str], str]:
+    """(addresses, token). Refuses TCP without a token, naming the settings."""
+    addrs = list(config.listen) or [f"unix://{os.path.join(default_socket_dir(), SOCKET_NAME)}"]
+    token = config.read_token()
+    tcp = [a for a in addrs if not a.startswith("unix://")]
+    if tcp and not token:
+        raise ConfigError(
+            f"TCP listener {tcp[0]} needs a token: set {ENV_PREFIX}TOKEN or "
+            f"{ENV_PREFIX}TOKEN_FILE (--token-file)"
+        )
+    return addrs, token
+
+
+def _prepare_unix(path: str) -> None:
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o750, exist_ok=True)
+        os.chmod(directory, 0o750)
+    st = os.stat(directory)
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"socket directory {directory} is owned by uid {st.st_uid}, not us")
+    if os.path.exists(path):
+        os.unlink(path)  # stale socket of a crashed daemon
+
+
+class KVTierServer:
+    """The gRPC server plus what its shutdown needs (health, drain flag, worker threads)."""
+
+    def __init__(self, server: grpc.aio.Server, health: HealthServicer, draining: asyncio.Event,
+                 executor: ThreadPoolExecutor, instance: str) -> None:
+        self.server, self.health, self.draining = server, health, draining
+        self.executor, self.instance = executor, instance
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self) -> None:
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self, grace: float) -> None:
+        """Health NOT_SERVING, new calls UNAVAILABLE, in-flight calls get ``grace`` seconds."""
+        self.draining.set()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_server(
+    config: OffloadConfig, engine: Any, *, observe: Observe | None = None, version: str = "0"
+) -> tuple[KVTierServer, list[str]]:
+    """Build (not start) the server with every listener bound; returns the bound addresses."""
+    addrs, token = listen_addresses(config)
+    draining = asyncio.Event()
+    limit = config.max_message_mb * MIB
+    server = grpc.aio.server(
+        interceptors=[Gate(TokenAuth(token), draining, observe)],
+        options=[("grpc.max_receive_message_length", limit),
+                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
+    )
+    executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
+    instance = uuid.uuid4().hex
+    servicer = KVTierServicer(
+        engine, device=config.resolved_device(), default_page_size=config.page_size,
+        version=version, tenancy=Tenancy(engine, instance), executor=executor, draining=draining,
+    )
+    kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    return KVTierServer(server, health, draining, executor, instance), _bind(server, addrs)
+
+
+def _bind(server: grpc.aio.Server, addrs: list[str]) -> list[str]:
+    bound = []
+    for addr in addrs:
+        if addr.startswith("unix://"):
+            path = addr[len("unix://"):]
+            _prepare_unix(path)
+            server.add_insecure_port(addr)
+            os.chmod(path, 0o660)
+            bound.append(addr)
+        else:
+            try:
+                port = server.add_insecure_port(addr)
+            except RuntimeError:
+                port = 0
+            if port == 0:
+                raise ConfigError(f"{ENV_PREFIX}LISTEN: cannot bind {addr}")
+            bound.append(f"{addr.rpartition(':')[0]}:{port}")
+    return bound

@@ -1,0 +1,87 @@
+"""``kvtier serve``: run the daemon until SIGTERM/SIGINT.
+
+Startup order: listeners bound and engine ready → health SERVING → ``READY=1`` to systemd.
+Shutdown: health NOT_SERVING and new calls UNAVAILABLE → in-flight calls finish (within the
+grace period) → ``engine.close`` drains transfers and persists the disk index → exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from importlib import metadata
+from typing import Any
+
+from kvtier.config import OffloadConfig
+
+from .app import create_server, listen_addresses
+from .notify import sd_notify
+
+log = logging.getLogger("kvtier.server")
+
+
+def version() -> str:
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def run(config: OffloadConfig) -> int:
+    """Serve until a stop signal; returns the exit status. ConfigError propagates (exit 2)."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    listen_addresses(config)  # refuse a bad listener setup before building the engine
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        return runner.run(_serve(config))
+
+
+def _build_engine(config: OffloadConfig) -> Any:
+    from kvtier.engine import configure_offload  # heavy: torch, worker threads
+
+    return configure_offload(config)
+
+
+async def _serve(config: OffloadConfig) -> int:
+    from kvtier.metrics import DaemonMetrics
+
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, _build_engine, config)
+    metrics = DaemonMetrics(engine, version())
+    server, ports = create_server(config, engine, observe=metrics.observe_rpc, version=version())
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        if config.metrics_addr:
+            port = metrics.serve(config.metrics_addr)
+            log.info("metrics on %s:%d/metrics", config.metrics_addr.rpartition(":")[0], port)
+        await server.set_serving()
+        log.info("serving %s on %s (device %s)", version(), ", ".join(ports),
+                 config.resolved_device())
+        sd_notify(f"READY=1\nSTATUS=serving on {', '.join(ports)}")
+        await stop.wait()
+        return await _shutdown(config, server, engine)
+    finally:
+        metrics.close()
+
+
+async def _shutdown(config: OffloadConfig, server: Any, engine: Any) -> int:
+    deadline = time.monotonic() + config.grace_s
+    sd_notify("STOPPING=1")
+    log.info("draining (grace %.1fs)", config.grace_s)
+    await server.drain(config.grace_s * 0.5)
+    left = max(0.1, deadline - time.monotonic())
+    await asyncio.get_running_loop().run_in_executor(None, lambda: engine.close(grace=left))
+    log.info("stopped")
+    return 0

@@ -1,0 +1,198 @@
+"""``kvtier.v1.KVTier``: translate requests into engine calls and replies, map errors. No logic.
+
+Every engine call runs on a worker thread (engine calls block: restores, disk reads); the event
+loop only parses, validates and replies. Errors map to status codes in ``errors.py`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from functools import partial
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+
+from kvtier.types import PageId, PoolId, SlotIndex
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+from . import convert, validate
+from .errors import is_internal, shortfall, status_for
+from .tenancy import Tenancy
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class KVTierServicer(pb_grpc.KVTierServicer):
+    def __init__(
+        self, engine: Any, *, device: str, default_page_size: int, version: str,
+        tenancy: Tenancy, executor: Executor, draining: asyncio.Event,
+    ) -> None:
+        self._engine = engine
+        self._device = device
+        self._page_size = default_page_size
+        self._version = version
+        self._tenancy = tenancy
+        self._executor = executor
+        self._draining = draining
+
+    async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        except Exception as exc:
+            code, message = status_for(exc)
+            if is_internal(exc):
+                log.exception("internal error in %s", fn)
+            await ctx.abort(code, message)
+            raise  # unreachable: abort raises
+
+    def _pool(self, msg: Any) -> PoolId:
+        return self._tenancy.owned(msg.pool, present=msg.HasField("pool"))
+
+    # --- pools ------------------------------------------------------------------------------
+    async def Attach(self, req: pb.AttachRequest, ctx: Ctx) -> pb.AttachReply:
+        def call() -> pb.AttachReply:
+            tenant = validate.tenant(req.tenant)
+            validate.device(req.device, self._device)
+            size = validate.page_size(req.page_size, self._page_size)
+            slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
+            prio = validate.default_priority(req.default_priority)
+            pool = self._engine.attach(tenant, slots, size, default_priority=prio)
+            log.info("attached pool %s: tenant=%s slots=%d layout=%r", pool.pool_id, tenant,
+                     slots, req.layout[:200])
+            return convert.attach_reply(pool, self._tenancy.instance)
+
+        return await self._run(ctx, call)
+
+    async def Register(self, req: pb.RegisterRequest, ctx: Ctx) -> pb.AttachReply:
+        from .segments import open_segments  # torch views: only needed here
+
+        def call() -> pb.AttachReply:
+            tenant = validate.tenant(req.tenant)
+            prio = validate.default_priority(req.default_priority)
+            views = open_segments(req.segments, self._device)
+            pool = self._engine.register(tenant, views, default_priority=prio)
+            return convert.attach_reply(pool, self._tenancy.instance)
+
+        return await self._run(ctx, call)
+
+    async def Detach(self, req: pb.DetachRequest, ctx: Ctx) -> pb.DetachReply:
+        def call() -> pb.DetachReply:
+            self._engine.detach(self._pool(req))
+            return pb.DetachReply()
+
+        return await self._run(ctx, call)
+
+    # --- pages ------------------------------------------------------------------------------
+    async def Allocate(self, req: pb.AllocateRequest, ctx: Ctx) -> pb.AllocateReply:
+        def call() -> pb.AllocateReply:
+            pool = self._pool(req)
+            n = validate.count(req.count, "count")
+            prio = validate.priority(req.priority) if req.HasField("priority") else None
+            seq = (validate.count(req.sequence_length, "sequence_length", 1 << 40)
+                   if req.HasField("sequence_length") else None)
+            got = self._engine.allocate(pool, n, priority=prio, sequence_length=seq)
+            if got is None:
+                raise shortfall(f"pool {pool} has no room for {n} pages")
+            return pb.AllocateReply(pages=[pb.PageSlot(page_id=p, slot=s) for p, s in got])
+
+        return await self._run(ctx, call)
+
+    async def Free(self, req: pb.PagesRequest, ctx: Ctx) -> pb.Empty:
+        return await self._pages(ctx, req, self._engine.free, lambda _: pb.Empty())
+
+    async def Release(self, req: pb.PagesRequest, ctx: Ctx) -> pb.Empty:
+        return await self._pages(ctx, req, self._engine.release, lambda _: pb.Empty())
+
+    async def Offload(self, req: pb.PagesRequest, ctx: Ctx) -> pb.CountReply:
+        return await self._pages(ctx, req, self._engine.offload, lambda n: pb.CountReply(count=n))
+
+    async def Prefetch(self, req: pb.PagesRequest, ctx: Ctx) -> pb.CountReply:
+        return await self._pages(ctx, req, self._engine.prefetch, lambda n: pb.CountReply(count=n))
+
+    async def _pages(self, ctx: Ctx, req: pb.PagesRequest, op: Callable[..., Any],
+                     reply: Callable[[Any], T]) -> T:
+        def call() -> T:
+            pool = self._pool(req)
+            return reply(op(pool, [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]))
+
+        return await self._run(ctx, call)
+
+    async def Acquire(self, req: pb.AcquireRequest, ctx: Ctx) -> pb.AcquireReply:
+        remaining = ctx.time_remaining()
+
+        def call() -> pb.AcquireReply:
+            pool = self._pool(req)
+            pages = [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]
+            timeout = validate.timeout(req.timeout_s) or remaining
+            slots = self._engine.acquire(pool, pages, timeout=timeout)
+            if slots is None:
+                raise shortfall(f"pool {pool} has too few unpinned slots for {len(pages)} pages")
+            return pb.AcquireReply(slots=slots)
+
+        return await self._run(ctx, call)
+
+    async def SetPriority(self, req: pb.SetPriorityRequest, ctx: Ctx) -> pb.Empty:
+        def call() -> pb.Empty:
+            pool = self._pool(req)
+            pages = [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]
+            self._engine.set_priority(pool, pages, validate.priority(req.priority))
+            return pb.Empty()
+
+        return await self._run(ctx, call)
+
+    # --- prefix reuse -----------------------------------------------------------------------
+    async def Store(self, req: pb.StoreRequest, ctx: Ctx) -> pb.CountReply:
+        def call() -> pb.CountReply:
+            pool = self._pool(req)
+            keys, slots = validate.keyed_slots(req.keys, req.slots)
+            n = self._engine.store(pool, keys, [SlotIndex(s) for s in slots])
+            return pb.CountReply(count=n)
+
+        return await self._run(ctx, call)
+
+    async def Lookup(self, req: pb.LookupRequest, ctx: Ctx) -> pb.LookupReply:
+        def call() -> pb.LookupReply:
+            tiers = self._engine.lookup(validate.tenant(req.tenant), validate.keys(req.keys))
+            return pb.LookupReply(tiers=[convert.tier(t) for t in tiers])
+
+        return await self._run(ctx, call)
+
+    async def Load(self, req: pb.LoadRequest, ctx: Ctx) -> pb.CountReply:
+        def call() -> pb.CountReply:
+            pool = self._pool(req)
+            keys, slots = validate.keyed_slots(req.keys, req.slots)
+            return pb.CountReply(count=self._engine.load(pool, keys, [SlotIndex(s) for s in slots]))
+
+        return await self._run(ctx, call)
+
+    # --- operations -------------------------------------------------------------------------
+    async def Stats(self, req: pb.StatsRequest, ctx: Ctx) -> pb.StatsReply:
+        def call() -> pb.StatsReply:
+            return convert.stats_reply(self._engine.stats(), self._version, self._tenancy.instance)
+
+        return await self._run(ctx, call)
+
+    async def WatchEvents(self, req: pb.WatchRequest, ctx: Ctx) -> AsyncIterator[pb.Event]:
+        def open_sub() -> Any:
+            validate.tenant(req.tenant)
+            if req.pool_id:
+                self._tenancy.owned(pb.PoolRef(tenant=req.tenant, pool_id=req.pool_id))
+            return self._engine.subscribe()
+
+        sub = await self._run(ctx, open_sub)
+        sees = partial(self._tenancy.sees, req.tenant, req.pool_id)
+        try:
+            while not self._draining.is_set():
+                ev = await self._run(ctx, lambda: sub.get(0.25))
+                if ev is None:
+                    continue
+                if await self._run(ctx, partial(sees, ev)):
+                    yield convert.event(ev)
+        finally:
+            sub.close()
