@@ -1,0 +1,19 @@
+"""Client of the kvtier daemon.
+
+``connect(address="unix:///...", tenant=..., token=None, timeout=5.0) -> KVTierClient`` (blocking)
+and ``connect_async(...) -> AsyncKVTierClient`` (asyncio) expose the same methods: attach/register/
+reattach/detach, allocate/free/acquire/release/offload/prefetch/set_priority, store/lookup/load,
+stats, watch_events. Errors are ``kvtier.errors`` classes.
+"""
+
+from __future__ import annotations
+
+from .aio import AsyncKVTierClient, connect_async
+from .attachment import Attachment
+from .errors import Unauthenticated
+from .sync import KVTierClient, connect
+
+__all__ = [
+    "AsyncKVTierClient", "Attachment", "KVTierClient", "Unauthenticated", "connect",
+    "connect_async",
+]

@@ -1,0 +1,126 @@
+"""``AsyncKVTierClient``: the asyncio client; the same methods as ``KVTierClient``, awaited."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from kvtier.types import Tier
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+from . import ops
+from .attachment import Attachment, from_reply
+from .errors import from_rpc_error
+from .options import channel_options, default_address, metadata
+
+
+class AsyncKVTierClient:
+    def __init__(self, address: str, tenant: str, token: str | None = None,
+                 timeout: float = 5.0) -> None:
+        self.address, self.tenant, self.timeout = address, tenant, timeout
+        self._metadata = metadata(token)
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self._stub = pb_grpc.KVTierStub(self._channel)
+
+    async def __aenter__(self) -> AsyncKVTierClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _ref(self, att: Attachment) -> pb.PoolRef:
+        return pb.PoolRef(tenant=self.tenant, pool_id=att.pool_id, instance=att.instance)
+
+    async def _do(self, op: ops.Op) -> Any:
+        try:
+            reply = await getattr(self._stub, op.method)(
+                op.request, timeout=self.timeout + op.extra_timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            if op.none_on_shortfall and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return None
+            raise from_rpc_error(err) from err
+        return op.parse(reply)
+
+    async def attach(self, num_pages: int | None = None, *, nbytes: int | None = None,
+                     page_size: int = 0, device: str = "", layout: str = "",
+                     default_priority: float = 1.0) -> Attachment:
+        req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
+                                 default_priority)
+        return from_reply(await self._do(ops.Op("Attach", req)), self.tenant, req, register=False)
+
+    async def register(self, segments: Sequence[torch.Tensor], *, shm_paths: Sequence[str] = (),
+                       layout: str = "", default_priority: float = 1.0) -> Attachment:
+        req = ops.register_request(self.tenant, segments, shm_paths, layout, default_priority)
+        att = from_reply(await self._do(ops.Op("Register", req)), self.tenant, req, register=True)
+        att.keepalive.extend(segments)
+        return att
+
+    async def reattach(self, att: Attachment) -> Attachment:
+        method = "Register" if isinstance(att.request, pb.RegisterRequest) else "Attach"
+        reply = await self._do(ops.Op(method, att.request))
+        new = from_reply(reply, self.tenant, att.request, register=method == "Register")
+        new.keepalive.extend(att.keepalive)
+        return new
+
+    async def detach(self, att: Attachment) -> None:
+        await self._do(ops.detach(self._ref(att)))
+
+    async def allocate(self, att: Attachment, n: int, *, priority: float | None = None,
+                       sequence_length: int | None = None) -> list[tuple[int, int]] | None:
+        return await self._do(ops.allocate(self._ref(att), n, priority, sequence_length))
+
+    async def free(self, att: Attachment, page_ids: Sequence[int]) -> None:
+        await self._do(ops.pages("Free", self._ref(att), page_ids))
+
+    async def acquire(self, att: Attachment, page_ids: Sequence[int], *,
+                      timeout: float | None = None) -> list[int] | None:
+        return await self._do(ops.acquire(self._ref(att), page_ids, timeout))
+
+    async def release(self, att: Attachment, page_ids: Sequence[int]) -> None:
+        await self._do(ops.pages("Release", self._ref(att), page_ids))
+
+    async def offload(self, att: Attachment, page_ids: Sequence[int]) -> int:
+        return int(await self._do(ops.pages("Offload", self._ref(att), page_ids)))
+
+    async def prefetch(self, att: Attachment, page_ids: Sequence[int]) -> int:
+        return int(await self._do(ops.pages("Prefetch", self._ref(att), page_ids)))
+
+    async def set_priority(self, att: Attachment, page_ids: Sequence[int],
+                           priority: float) -> None:
+        await self._do(ops.set_priority(self._ref(att), page_ids, priority))
+
+    async def store(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        return int(await self._do(ops.store(self._ref(att), keys, slots)))
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[Tier]:
+        return await self._do(ops.lookup(self.tenant, keys))
+
+    async def load(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        return int(await self._do(ops.load(self._ref(att), keys, slots)))
+
+    async def stats(self) -> pb.StatsReply:
+        return await self._do(ops.stats(self.tenant))
+
+    async def watch_events(self, att: Attachment | None = None) -> AsyncIterator[pb.Event]:
+        req = pb.WatchRequest(tenant=self.tenant, pool_id=att.pool_id if att else 0)
+        call = self._stub.WatchEvents(req, metadata=self._metadata)
+        try:
+            async for ev in call:
+                yield ev
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err) from err
+        finally:
+            call.cancel()
+
+
+def connect_async(address: str | None = None, *, tenant: str, token: str | None = None,
+                  timeout: float = 5.0) -> AsyncKVTierClient:
+    return AsyncKVTierClient(address or default_address(), tenant, token, timeout)

@@ -1,0 +1,141 @@
+"""``KVTierClient``: the blocking client. Same methods as ``AsyncKVTierClient``.
+
+Every call has a deadline (``timeout``); failures raise ``kvtier.errors`` classes (see
+``errors.py``). While the daemon is down calls raise ``Unavailable``; the channel reconnects by
+itself. A pool of a previous daemon instance raises ``FailedPrecondition`` ("not attached (daemon
+restarted?)"): call :meth:`reattach` to get a fresh pool (its old contents are gone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from kvtier.types import Tier
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+from . import ops
+from .attachment import Attachment, from_reply
+from .errors import from_rpc_error
+from .options import channel_options, metadata
+
+CapacityShortfall = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class KVTierClient:
+    def __init__(self, address: str, tenant: str, token: str | None = None,
+                 timeout: float = 5.0) -> None:
+        self.address, self.tenant, self.timeout = address, tenant, timeout
+        self._metadata = metadata(token)
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._stub = pb_grpc.KVTierStub(self._channel)
+
+    def __enter__(self) -> KVTierClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _ref(self, att: Attachment) -> pb.PoolRef:
+        return pb.PoolRef(tenant=self.tenant, pool_id=att.pool_id, instance=att.instance)
+
+    def _do(self, op: ops.Op) -> Any:
+        try:
+            reply = getattr(self._stub, op.method)(
+                op.request, timeout=self.timeout + op.extra_timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            if op.none_on_shortfall and err.code() == CapacityShortfall:
+                return None
+            raise from_rpc_error(err) from err
+        return op.parse(reply)
+
+    # --- pools ------------------------------------------------------------------------------
+    def attach(self, num_pages: int | None = None, *, nbytes: int | None = None,
+               page_size: int = 0, device: str = "", layout: str = "",
+               default_priority: float = 1.0) -> Attachment:
+        req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
+                                 default_priority)
+        return from_reply(self._do(ops.Op("Attach", req)), self.tenant, req, register=False)
+
+    def register(self, segments: Sequence[torch.Tensor], *, shm_paths: Sequence[str] = (),
+                 layout: str = "", default_priority: float = 1.0) -> Attachment:
+        req = ops.register_request(self.tenant, segments, shm_paths, layout, default_priority)
+        att = from_reply(self._do(ops.Op("Register", req)), self.tenant, req, register=True)
+        att.keepalive.extend(segments)
+        return att
+
+    def reattach(self, att: Attachment) -> Attachment:
+        """A new pool like ``att`` on the current daemon (after a restart); contents are gone."""
+        method = "Register" if isinstance(att.request, pb.RegisterRequest) else "Attach"
+        reply = self._do(ops.Op(method, att.request))
+        new = from_reply(reply, self.tenant, att.request, register=method == "Register")
+        new.keepalive.extend(att.keepalive)
+        return new
+
+    def detach(self, att: Attachment) -> None:
+        self._do(ops.detach(self._ref(att)))
+
+    # --- pages ------------------------------------------------------------------------------
+    def allocate(self, att: Attachment, n: int, *, priority: float | None = None,
+                 sequence_length: int | None = None) -> list[tuple[int, int]] | None:
+        return self._do(ops.allocate(self._ref(att), n, priority, sequence_length))
+
+    def free(self, att: Attachment, page_ids: Sequence[int]) -> None:
+        self._do(ops.pages("Free", self._ref(att), page_ids))
+
+    def acquire(self, att: Attachment, page_ids: Sequence[int], *,
+                timeout: float | None = None) -> list[int] | None:
+        return self._do(ops.acquire(self._ref(att), page_ids, timeout))
+
+    def release(self, att: Attachment, page_ids: Sequence[int]) -> None:
+        self._do(ops.pages("Release", self._ref(att), page_ids))
+
+    def offload(self, att: Attachment, page_ids: Sequence[int]) -> int:
+        return int(self._do(ops.pages("Offload", self._ref(att), page_ids)))
+
+    def prefetch(self, att: Attachment, page_ids: Sequence[int]) -> int:
+        return int(self._do(ops.pages("Prefetch", self._ref(att), page_ids)))
+
+    def set_priority(self, att: Attachment, page_ids: Sequence[int], priority: float) -> None:
+        self._do(ops.set_priority(self._ref(att), page_ids, priority))
+
+    # --- prefix reuse -----------------------------------------------------------------------
+    def store(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        return int(self._do(ops.store(self._ref(att), keys, slots)))
+
+    def lookup(self, keys: Sequence[bytes]) -> list[Tier]:
+        return self._do(ops.lookup(self.tenant, keys))
+
+    def load(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        return int(self._do(ops.load(self._ref(att), keys, slots)))
+
+    # --- operations -------------------------------------------------------------------------
+    def stats(self) -> pb.StatsReply:
+        return self._do(ops.stats(self.tenant))
+
+    def watch_events(self, att: Attachment | None = None) -> Iterator[pb.Event]:
+        """Events of this tenant's pools (or one pool) until the caller stops iterating."""
+        req = pb.WatchRequest(tenant=self.tenant, pool_id=att.pool_id if att else 0)
+        stream = self._stub.WatchEvents(req, metadata=self._metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err) from err
+        finally:
+            stream.cancel()
+
+
+def connect(address: str | None = None, *, tenant: str, token: str | None = None,
+            timeout: float = 5.0) -> KVTierClient:
+    """A blocking client; ``address`` defaults to the daemon's default unix socket."""
+    from .options import default_address
+
+    return KVTierClient(address or default_address(), tenant, token, timeout)
