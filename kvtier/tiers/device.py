@@ -29,6 +29,7 @@ import pickle
 import tempfile
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -124,7 +125,7 @@ class DevicePool:
                 self._is_free[s] = 0
             return [SlotIndex(s) for s in out]
 
-    def free(self, slots: list[SlotIndex]) -> None:
+    def free(self, slots: Sequence[int]) -> None:
         """Return slots. Freeing a free or out-of-range slot is an internal error (assert)."""
         with self._lock:
             for s in slots:
@@ -133,7 +134,7 @@ class DevicePool:
                 heapq.heappush(self._free, int(s))
 
     # ---- page copies ---------------------------------------------------------------------
-    def gather_rows(self, slots: list[SlotIndex], out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather_rows(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Pages ``slots`` as a ``[len(slots), page_size]`` tensor on the pool's device."""
         idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         if out is None:
@@ -147,7 +148,7 @@ class DevicePool:
             off += width
         return out
 
-    def scatter_rows(self, slots: list[SlotIndex], src: torch.Tensor) -> None:
+    def scatter_rows(self, slots: Sequence[int], src: torch.Tensor) -> None:
         """Write ``src[j]`` (``[len(slots), page_size]``, same device) into page ``slots[j]``.
 
         ``slots`` must be distinct.

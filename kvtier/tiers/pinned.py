@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -133,7 +134,7 @@ class HostArena:
             slab.used += n
             return out
 
-    def free(self, page_size: int, slots: list[HostSlot]) -> None:
+    def free(self, page_size: int, slots: Sequence[int]) -> None:
         """Return slots. Freeing a free or unknown slot is an internal error (assert)."""
         if not slots:
             return
@@ -149,7 +150,7 @@ class HostArena:
                 if slab.free[chunk_no].total == slab.per_chunk:
                     self._maybe_release(slab, chunk_no)
 
-    def rows(self, page_size: int, slots: list[HostSlot]) -> list[torch.Tensor]:
+    def rows(self, page_size: int, slots: Sequence[int]) -> list[torch.Tensor]:
         """1-D ``uint8`` views, one per slot, in order."""
         if not slots:
             return []
@@ -160,7 +161,7 @@ class HostArena:
             out.append(slab.chunks[chunk_no].tensor[i * page_size : (i + 1) * page_size])
         return out
 
-    def runs(self, page_size: int, slots: list[HostSlot]) -> list[tuple[torch.Tensor, list[int]]]:
+    def runs(self, page_size: int, slots: Sequence[int]) -> list[tuple[torch.Tensor, list[int]]]:
         """Group ``slots`` (in the given order) into contiguous runs.
 
         Each run is a 2-D view ``[len, page_size]`` plus the positions of its slots in ``slots``.
@@ -334,7 +335,7 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def _group(slots: list[HostSlot], per_chunk: int) -> list[tuple[int, int, int]]:
+def _group(slots: Sequence[int], per_chunk: int) -> list[tuple[int, int, int]]:
     """Sorted ``(chunk_no, start, count)`` runs of the given slot ids."""
     out: list[tuple[int, int, int]] = []
     for s in sorted(int(x) for x in slots):

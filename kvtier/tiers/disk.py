@@ -1,0 +1,348 @@
+"""The disk tier: one preallocated slot file per page size, checksummed pages, a persisted index.
+
+Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io, io_threads)``.
+    * ``pages-<page_size>.dat`` grows lazily in extents (``posix_fallocate``, else ``ftruncate``);
+      the files together never exceed ``budget_bytes``. Files never shrink, so bytes given to one
+      page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full.
+    * ``write``/``read`` run on a thread pool and return ``Future[list[bool]]`` (one per page).
+      O_DIRECT is used when the filesystem accepts it (probed at open; ``.direct_io`` says which);
+      buffers that are not 4 KiB aligned go through an aligned bounce buffer.
+    * A page's xxh3-64 checksum is recorded only after ``fdatasync`` (once per batch). Starting a
+      write forgets the slot's checksum, so a page is never "good" while its bytes are in flight.
+      ``read`` re-hashes what it read: a mismatch (torn write, bit flip) returns ``False`` and
+      counts ``counters.checksum_failures``; an unwritten slot returns ``False``.
+    * ``set_record``/``clear_record``/``records`` manage the persisted records of written slots;
+      ``free`` drops a slot's record. ``persist`` writes the index atomically; on open, records
+      whose slot lies past the end of its file or whose fields are malformed are dropped and
+      counted in ``counters.dropped_records``; surviving records' slots stay allocated.
+    * ``close`` waits for queued I/O, persists and closes files; idempotent.
+Thread-safe; a slot must not be written or freed while a read or write of it is in flight.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import mmap
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.tiers.base import DiskRecord, DiskSlot, TierCounters
+from kvtier.tiers.disk_index import load_index, save_index
+from kvtier.tiers.diskio import ALIGN, cbuf, coalesce, extend, probe_direct, view
+
+_FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
+_MIB = 1 << 20
+
+
+@dataclass(slots=True)
+class _SlotFile:
+    page_size: int
+    fd: int
+    nslots: int = 0
+    free: list[int] = field(default_factory=list)  # a heap of free slots below nslots
+    used: set[int] = field(default_factory=set)
+    sums: dict[int, int] = field(default_factory=dict)  # durable checksums
+    records: dict[int, DiskRecord] = field(default_factory=dict)
+
+
+class DiskStore:
+    """Fixed-size page slots in per-page-size files under ``path``."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        budget_bytes: int,
+        direct_io: bool = True,
+        io_threads: int = 4,
+        *,
+        extent_bytes: int = 64 * _MIB,
+    ) -> None:
+        if budget_bytes < 0:
+            raise InvalidArgument("budget_bytes", f"must be >= 0, got {budget_bytes}")
+        if io_threads < 1:
+            raise InvalidArgument("io_threads", f"must be >= 1, got {io_threads}")
+        self.path = os.fspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self.extent_bytes = max(ALIGN, extent_bytes)
+        self.direct_io = direct_io and probe_direct(self.path)
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+        self._files: dict[int, _SlotFile] = {}
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk")
+        self._closed = False
+        self._open_existing()
+
+    # ---- capacity ------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.budget_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of slot files on disk (<= budget unless the budget shrank since they grew)."""
+        return sum(f.nslots * f.page_size for f in self._files.values())
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(len(f.used) * f.page_size for f in self._files.values())
+
+    def alloc(self, page_size: int, n: int) -> list[DiskSlot] | None:
+        """``n`` lowest free slots, growing the file within budget; ``None`` if they don't fit."""
+        _check_page_size(page_size)
+        if n < 0:
+            raise InvalidArgument("n", f"must be >= 0, got {n}")
+        with self._lock:
+            self._check_open()
+            f = self._file(page_size)
+            if len(f.free) < n and not self._grow(f, n - len(f.free)):
+                return None
+            out = [heapq.heappop(f.free) for _ in range(n)]
+            f.used.update(out)
+            return [DiskSlot(s) for s in out]
+
+    def free(self, page_size: int, slots: Sequence[int]) -> None:
+        """Return slots and forget their bytes and records. A free slot is an internal error."""
+        with self._lock:
+            f = self._files[page_size]
+            for s in slots:
+                assert s in f.used, f"free of free disk slot {s}"
+                f.used.discard(s)
+                f.sums.pop(s, None)
+                f.records.pop(s, None)
+                heapq.heappush(f.free, int(s))
+
+    # ---- I/O -----------------------------------------------------------------------------
+    def write(
+        self, page_size: int, slots: Sequence[int], srcs: Sequence[torch.Tensor]
+    ) -> Future[list[bool]]:
+        """Write ``srcs[i]`` (1-D uint8 CPU, ``page_size`` bytes) to ``slots[i]``.
+
+        The sources must stay unchanged until the future completes.
+        """
+        with self._lock:
+            self._check_open()
+            f = self._checked(page_size, slots, srcs, "srcs")
+            for s in slots:
+                f.sums.pop(s, None)  # not readable as good until the new bytes are durable
+            return self._pool.submit(self._write_batch, f, list(slots), list(srcs))
+
+    def read(
+        self, page_size: int, slots: Sequence[int], dsts: Sequence[torch.Tensor]
+    ) -> Future[list[bool]]:
+        """Read ``slots[i]`` into ``dsts[i]``; ``False`` for a page that fails its checksum."""
+        with self._lock:
+            self._check_open()
+            f = self._checked(page_size, slots, dsts, "dsts")
+            expected = [f.sums.get(s) for s in slots]
+            return self._pool.submit(self._read_batch, f, list(slots), list(dsts), expected)
+
+    def _write_batch(
+        self, f: _SlotFile, slots: Sequence[int], srcs: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        t0 = time.perf_counter()
+        sums = [xxhash.xxh3_64_intdigest(view(t, f.page_size)) for t in srcs]
+        ok = [False] * len(slots)
+        for offset, ptr, nbytes, positions in coalesce(f.page_size, slots, srcs):
+            if self._io(f.fd, offset, ptr, nbytes, write=True):
+                for p in positions:
+                    ok[p] = True
+        try:
+            os.fdatasync(f.fd)
+        except OSError:
+            ok = [False] * len(slots)
+            self._count(io_errors=1)
+        with self._lock:
+            for s, good, h in zip(slots, ok, sums, strict=True):
+                if good and s in f.used:
+                    f.sums[s] = h
+                    if s in f.records:
+                        f.records[s].checksum = h
+            self.counters.bytes_written += sum(ok) * f.page_size
+            self.counters.write_seconds += time.perf_counter() - t0
+        return ok
+
+    def _read_batch(
+        self,
+        f: _SlotFile,
+        slots: Sequence[int],
+        dsts: Sequence[torch.Tensor],
+        expected: list[int | None],
+    ) -> list[bool]:
+        t0 = time.perf_counter()
+        ok = [False] * len(slots)
+        for offset, ptr, nbytes, positions in coalesce(f.page_size, slots, dsts):
+            if self._io(f.fd, offset, ptr, nbytes, write=False):
+                for p in positions:
+                    ok[p] = True
+        bad = 0
+        for i, dst in enumerate(dsts):
+            if ok[i]:
+                got = xxhash.xxh3_64_intdigest(view(dst, f.page_size))
+                ok[i] = expected[i] is not None and got == expected[i]
+                bad += expected[i] is not None and not ok[i]
+        with self._lock:
+            self.counters.checksum_failures += bad
+            self.counters.bytes_read += sum(ok) * f.page_size
+            self.counters.read_seconds += time.perf_counter() - t0
+        return ok
+
+    def _io(self, fd: int, offset: int, ptr: int, nbytes: int, *, write: bool) -> bool:
+        """One positioned transfer of ``nbytes``; bounces unaligned buffers under O_DIRECT."""
+        bounce: mmap.mmap | None = None
+        user = memoryview(cbuf(ptr, nbytes)).cast("B")
+        buf = user
+        try:
+            if self.direct_io and ptr % ALIGN:
+                bounce = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
+                buf = memoryview(bounce)
+                if write:
+                    buf[:] = user
+            done = 0
+            while done < nbytes:
+                if write:
+                    k = os.pwrite(fd, buf[done:], offset + done)
+                else:
+                    k = os.preadv(fd, [buf[done:]], offset + done)
+                if k <= 0:
+                    raise OSError(errno.EIO, "short transfer past end of file")
+                done += k
+            if bounce is not None and not write:
+                user[:] = buf
+            return True
+        except OSError:
+            self._count(io_errors=1)
+            return False
+        finally:
+            if bounce is not None:
+                buf.release()
+                bounce.close()
+
+    # ---- records -------------------------------------------------------------------------
+    def set_record(self, page_size: int, slot: DiskSlot, record: DiskRecord) -> None:
+        """Attach ``record`` to a durably written slot; its checksum is filled in here."""
+        with self._lock:
+            f = self._files.get(page_size)
+            if f is None or slot not in f.sums:
+                raise FailedPrecondition(f"disk slot {slot} ({page_size} B) holds no durable page")
+            record.checksum = f.sums[slot]
+            f.records[slot] = record
+
+    def clear_record(self, page_size: int, slot: DiskSlot) -> None:
+        with self._lock:
+            f = self._files.get(page_size)
+            if f is not None:
+                f.records.pop(slot, None)
+
+    def records(self) -> list[tuple[int, DiskSlot, DiskRecord]]:
+        """``(page_size, slot, record)`` for every recorded slot."""
+        with self._lock:
+            return [
+                (ps, DiskSlot(s), rec)
+                for ps, f in sorted(self._files.items())
+                for s, rec in sorted(f.records.items())
+            ]
+
+    def persist(self) -> None:
+        """Write the index atomically (temp file + fsync + rename + directory fsync)."""
+        save_index(self.path, self.records())
+
+    def close(self) -> None:
+        """Finish queued I/O, persist the index, close the files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self.persist()
+        for f in self._files.values():
+            os.close(f.fd)
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _open_existing(self) -> None:
+        for name in sorted(os.listdir(self.path)):
+            m = _FILE_RE.match(name)
+            if m and int(m.group(1)) > 0 and int(m.group(1)) % ALIGN == 0:
+                f = self._file(int(m.group(1)))
+                f.nslots = os.fstat(f.fd).st_size // f.page_size
+        entries, dropped = load_index(self.path)
+        for ps, slot, rec in entries:
+            sf = self._files.get(ps)
+            if sf is None or slot >= sf.nslots:
+                dropped += 1  # the file lost its tail (or vanished): these bytes are gone
+                continue
+            sf.used.add(slot)
+            sf.sums[slot] = rec.checksum
+            sf.records[slot] = rec
+        self.counters.dropped_records += dropped
+        for f in self._files.values():
+            f.free = [s for s in range(f.nslots) if s not in f.used]  # ascending: a valid heap
+
+    def _file(self, page_size: int) -> _SlotFile:
+        f = self._files.get(page_size)
+        if f is None:
+            name = os.path.join(self.path, f"pages-{page_size}.dat")
+            flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
+            f = _SlotFile(page_size, os.open(name, flags, 0o600))
+            self._files[page_size] = f
+        return f
+
+    def _grow(self, f: _SlotFile, need: int) -> bool:
+        """Add at least ``need`` slots to ``f`` (an extent when the budget allows)."""
+        room = (self.budget_bytes - self.reserved_bytes) // f.page_size
+        if room < need:
+            return False
+        for add in dict.fromkeys((min(room, max(need, self.extent_bytes // f.page_size)), need)):
+            if extend(f.fd, f.nslots * f.page_size, add * f.page_size):
+                for s in range(f.nslots, f.nslots + add):
+                    heapq.heappush(f.free, s)
+                f.nslots += add
+                return True
+        return False
+
+    def _checked(
+        self, page_size: int, slots: Sequence[int], bufs: Sequence[torch.Tensor], name: str
+    ) -> _SlotFile:
+        if len(slots) != len(bufs):
+            raise InvalidArgument(name, f"{len(bufs)} buffers for {len(slots)} slots")
+        f = self._files.get(page_size)
+        for i, (s, t) in enumerate(zip(slots, bufs, strict=True)):
+            if f is None or s not in f.used:
+                raise InvalidArgument("slots", f"disk slot {s} ({page_size} B) is not allocated")
+            if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous():
+                raise InvalidArgument(f"{name}[{i}]", "expected a contiguous uint8 CPU tensor")
+            if t.numel() != page_size:
+                raise InvalidArgument(f"{name}[{i}]", f"{t.numel()} bytes, page is {page_size}")
+        assert f is not None or not slots
+        return f if f is not None else self._file(page_size)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("disk store is closed")
+
+    def _count(self, io_errors: int) -> None:
+        with self._lock:
+            self.counters.io_errors += io_errors
+
+
+def _check_page_size(page_size: int) -> None:
+    if page_size <= 0 or page_size % ALIGN:
+        raise InvalidArgument(
+            "page_size", f"must be a positive multiple of {ALIGN}, got {page_size}"
+        )

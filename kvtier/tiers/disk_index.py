@@ -1,0 +1,109 @@
+"""The disk tier's persisted index: one JSON file, replaced atomically.
+
+``save_index(path, entries)`` writes ``index.json.tmp``, fsyncs it, renames it over ``index.json``
+and fsyncs the directory, so a crash leaves either the old or the new index, never a mix.
+``load_index(path)`` returns the entries it can trust plus the number it dropped (malformed
+fields, a checksum that is not an unsigned 64-bit int, a duplicate slot). A missing index is empty;
+an unreadable one is empty with every record counted as dropped where they can be counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from kvtier.tiers.base import DiskRecord, DiskSlot
+
+INDEX_NAME = "index.json"
+_VERSION = 1
+_MAX_U64 = (1 << 64) - 1
+log = logging.getLogger(__name__)
+
+IndexEntry = tuple[int, DiskSlot, DiskRecord]  # (page_size, slot, record)
+
+
+def save_index(directory: str, entries: list[IndexEntry]) -> None:
+    """Atomically replace ``directory/index.json`` with ``entries``."""
+    doc = {
+        "version": _VERSION,
+        "records": [_encode(ps, slot, rec) for ps, slot, rec in entries],
+    }
+    final = os.path.join(directory, INDEX_NAME)
+    tmp = final + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, separators=(",", ":"))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def load_index(directory: str) -> tuple[list[IndexEntry], int]:
+    """``(trusted entries, dropped count)`` from ``directory/index.json``."""
+    try:
+        with open(os.path.join(directory, INDEX_NAME), encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        return [], 0
+    except (OSError, ValueError) as exc:
+        log.warning("disk index unreadable, starting empty: %s", exc)
+        return [], 0
+    raw = doc.get("records") if isinstance(doc, dict) else None
+    if not isinstance(raw, list) or doc.get("version") != _VERSION:
+        log.warning("disk index has an unknown layout, starting empty")
+        return [], len(raw) if isinstance(raw, list) else 0
+    entries: list[IndexEntry] = []
+    seen: set[tuple[int, int]] = set()
+    dropped = 0
+    for item in raw:
+        entry = _decode(item)
+        if entry is None or (entry[0], entry[1]) in seen:
+            dropped += 1
+            continue
+        seen.add((entry[0], entry[1]))
+        entries.append(entry)
+    return entries, dropped
+
+
+def _encode(page_size: int, slot: DiskSlot, rec: DiskRecord) -> dict[str, Any]:
+    return {
+        "page_size": page_size,
+        "slot": int(slot),
+        "key": rec.key.hex(),
+        "tenant": rec.tenant,
+        "checksum": rec.checksum,
+        "meta": rec.meta,
+    }
+
+
+def _decode(item: Any) -> IndexEntry | None:
+    """A trusted entry, or None when any field is malformed."""
+    if not isinstance(item, dict):
+        return None
+    ps, slot, checksum = item.get("page_size"), item.get("slot"), item.get("checksum")
+    key, tenant, meta = item.get("key"), item.get("tenant"), item.get("meta", {})
+    if not (isinstance(ps, int) and isinstance(slot, int) and isinstance(checksum, int)):
+        return None
+    if isinstance(ps, bool) or isinstance(slot, bool) or isinstance(checksum, bool):
+        return None
+    if ps <= 0 or slot < 0 or not 0 <= checksum <= _MAX_U64:
+        return None
+    if not (isinstance(key, str) and isinstance(tenant, str) and isinstance(meta, dict)):
+        return None
+    if not all(isinstance(k, str) and _is_int(v) for k, v in meta.items()):
+        return None
+    try:
+        key_bytes = bytes.fromhex(key)
+    except ValueError:
+        return None
+    return ps, DiskSlot(slot), DiskRecord(key_bytes, tenant, checksum, dict(meta))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

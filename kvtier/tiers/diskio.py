@@ -1,0 +1,77 @@
+"""Aligned positioned I/O helpers for the disk tier (O_DIRECT needs 4 KiB-aligned buffers,
+offsets and lengths; page sizes are multiples of 4 KiB, so only buffers can be misaligned)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+
+ALIGN = 4096
+
+
+def cbuf(ptr: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
+    """A zero-copy buffer over ``[ptr, ptr + nbytes)``; its owner must outlive it."""
+    return (ctypes.c_char * nbytes).from_address(ptr)
+
+
+def view(t: torch.Tensor, nbytes: int) -> memoryview:
+    return memoryview(cbuf(t.data_ptr(), nbytes)).cast("B")
+
+
+def coalesce(
+    page_size: int, slots: Sequence[int], bufs: Sequence[torch.Tensor]
+) -> list[tuple[int, int, int, list[int]]]:
+    """``(file offset, buffer address, nbytes, positions)`` per run of slots adjacent both on
+    disk and in memory, so a batch from one host run is one system call."""
+    out: list[tuple[int, int, int, list[int]]] = []
+    for i, (s, t) in enumerate(zip(slots, bufs, strict=True)):
+        ptr = t.data_ptr()
+        if out:
+            off, start, n, pos = out[-1]
+            if off + n == s * page_size and start + n == ptr:
+                out[-1] = (off, start, n + page_size, [*pos, i])
+                continue
+        out.append((s * page_size, ptr, page_size, [i]))
+    return out
+
+
+def extend(fd: int, offset: int, nbytes: int) -> bool:
+    """Reserve ``[offset, offset + nbytes)``; on failure the file keeps its old size."""
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.ftruncate(fd, offset)
+            return False
+    try:
+        os.ftruncate(fd, offset + nbytes)  # no fallocate here: a sparse file still works
+        return True
+    except OSError:
+        return False
+
+
+def probe_direct(directory: str) -> bool:
+    """Whether an aligned O_DIRECT write works in ``directory`` (tmpfs, some FUSE: no)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            return os.pwrite(fd, buf, 0) == ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        if os.path.exists(probe):
+            os.unlink(probe)
