@@ -1,0 +1,297 @@
+"""Engine core: tiers, policies and two-phase moves over the page table.
+
+Contract (every method here runs with ``self.cond`` held, except ``complete`` which takes it):
+    * ``offload(pages)`` / ``restore_cpu(pool, pages)`` / ``restore_disk(pages)`` *prepare* moves:
+      allocate the destination slot, mark the page moving, take it out of its tier's policy, and
+      queue the move. A page that gets no destination slot stays where it was.
+    * ``complete(moves, results)`` finishes them: success frees the source slot and makes the
+      destination the page's home; failure frees the destination and puts the page back (a failed
+      disk read drops the page: its stored bytes are not trustworthy).
+    * Room is made by cascades: CPU full -> CPU victims go to disk through the admission rule, or
+      are dropped; disk full -> disk victims are dropped. Drops are counted and published.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.config import MIB, OffloadConfig
+from kvtier.events import Event, EventHub
+from kvtier.pagetable import Page, PageTable
+from kvtier.policy.admission import create_admission
+from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.registry import create_policy
+from kvtier.pool import Pool
+from kvtier.scheduler import TransferScheduler
+from kvtier.stats import EngineCounters
+from kvtier.tiers.base import DiskRecord
+from kvtier.tiers.pinned import HostArena
+from kvtier.transfer import build_handlers
+from kvtier.transfer.base import Move
+from kvtier.types import Direction, PageState, PoolId, Tier
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk import DiskStore
+
+_STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
+
+
+class EngineCore:
+    """State and mechanism shared by the public engine, prefix store and watermark thread."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.cond = threading.Condition(threading.RLock())
+        self.table = PageTable()
+        self.pools: dict[PoolId, Pool] = {}
+        self.counters = EngineCounters()
+        self.events = EventHub()
+        cuda = self.device.type == "cuda"
+        self.host = HostArena(config.cpu_budget_bytes, config.pinned_chunk_mb * MIB, pin=cuda)
+        self.disk: DiskStore | None = None
+        if config.disk_budget_bytes:
+            from kvtier.tiers.disk import DiskStore
+
+            self.disk = DiskStore(
+                config.disk_path,
+                config.disk_budget_bytes,
+                direct_io=config.disk_direct_io,
+                io_threads=config.disk_io_threads,
+            )
+        create_policy(config.policy)  # fail at start on an unknown name
+        self.cpu_policy: dict[int, EvictionPolicy] = {}
+        self.disk_policy: dict[int, EvictionPolicy] = {}
+        self.cpu_protected: set = set()  # keyed pages pinned by a load in progress
+        self.admission = create_admission(config.disk_admission)
+        self.closed = False
+        handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
+        self.scheduler = TransferScheduler(
+            handlers,
+            batch_bytes=config.batch_bytes,
+            max_inflight_bytes=config.max_inflight_mb * MIB,
+            on_complete=self.complete,
+        )
+
+    # -- policies per tier ----------------------------------------------------------------------
+    def new_policy(self) -> EvictionPolicy:
+        return create_policy(self.config.policy)
+
+    def policy_of(self, page: Page) -> EvictionPolicy:
+        if page.tier is Tier.GPU:
+            assert page.pool_id is not None
+            return self.pools[page.pool_id].policy
+        table = self.cpu_policy if page.tier is Tier.CPU else self.disk_policy
+        if page.page_size not in table:
+            table[page.page_size] = self.new_policy()
+        return table[page.page_size]
+
+    def settle(self, page: Page, tier: Tier, slot: int) -> None:
+        """Make ``tier``/``slot`` the page's home and let its policy track it."""
+        page.tier, page.slot, page.state = tier, slot, _STATE_OF[tier]
+        if tier is Tier.GPU:
+            assert page.pool_id is not None
+            self.pools[page.pool_id].slot_pages[slot] = page
+        self.policy_of(page).insert(page.meta())
+
+    def unsettle(self, page: Page) -> None:
+        """The page's bytes are about to leave (or be freed from) its current tier."""
+        self.policy_of(page).remove(page.page_id)
+        if page.tier is Tier.GPU and page.pool_id is not None:
+            self.pools[page.pool_id].slot_pages.pop(page.slot, None)
+
+    def free_slot(self, page_size: int, tier: Tier, slot: int, pool: Pool | None = None) -> None:
+        if tier is Tier.GPU:
+            assert pool is not None
+            pool.dev.free([slot])  # type: ignore[list-item]
+        elif tier is Tier.CPU:
+            self.host.free(page_size, [slot])  # type: ignore[list-item]
+        else:
+            assert self.disk is not None
+            self.disk.clear_record(page_size, slot)  # type: ignore[arg-type]
+            self.disk.free(page_size, [slot])  # type: ignore[list-item]
+
+    def release_page(self, page: Page) -> None:
+        """Forget a settled page and free its slot (free / detach / drop)."""
+        if not page.moving and page.state is not PageState.DROPPED:
+            self.unsettle(page)
+            pool = self.pools.get(page.pool_id) if page.pool_id is not None else None
+            self.free_slot(page.page_size, page.tier, page.slot, pool)
+        if page.pool_id is not None and page.pool_id in self.pools:
+            self.pools[page.pool_id].pinned.discard(page.page_id)
+        self.table.remove(page)
+
+    def drop(self, page: Page, reason: str) -> None:
+        """The page's bytes are gone: it stays in the table as DROPPED until freed."""
+        src = page.tier
+        pool = self.pools.get(page.pool_id) if page.pool_id is not None else None
+        self.unsettle(page)
+        self.free_slot(page.page_size, page.tier, page.slot, pool)
+        page.state, page.slot = PageState.DROPPED, -1
+        self.counters.drop(reason)
+        if page.pool_id is None:  # a keyed page nobody holds: forget it entirely
+            self.table.remove(page)
+        self.events.publish(Event("dropped", page.pool_id, page.page_id, src, None))
+
+    # -- room ------------------------------------------------------------------------------------
+    def cpu_slots(self, page_size: int, n: int) -> list[int]:
+        """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room."""
+        got = self.host.alloc(page_size, n)
+        if got is None:
+            self.make_cpu_room(page_size, n)
+            got = self.host.alloc(page_size, n)
+        if got is None:
+            got = []
+            for _ in range(n):
+                one = self.host.alloc(page_size, 1)
+                if one is None:
+                    break
+                got.extend(one)
+        return list(got)
+
+    def make_cpu_room(self, page_size: int, n: int) -> None:
+        policy = self.cpu_policy.get(page_size)
+        if policy is None or not len(policy):
+            return
+        k = min(n, len(policy) - sum(1 for p in self.cpu_protected if p in policy))
+        victims = policy.evict(k, self.cpu_protected) if k > 0 else None
+        for pid in victims or []:
+            self.counters.evictions[Tier.CPU] += 1
+            self.demote_cpu(self.table.pages[pid])
+
+    def demote_cpu(self, page: Page) -> None:
+        """A CPU victim goes to disk if admitted and there is room, else it is dropped."""
+        self.policy_of(page).insert(page.meta())  # back in, so ``unsettle`` is uniform
+        if self.disk is None or not self.admission.admit(page.meta(), page.hits):
+            self.drop(page, "no_admission" if self.disk is not None else "cpu_full")
+            return
+        slots = self.disk.alloc(page.page_size, 1)
+        if slots is None:
+            self.make_disk_room(page.page_size)
+            slots = self.disk.alloc(page.page_size, 1)
+        if slots is None:
+            self.drop(page, "disk_full")
+            return
+        self.start(page, Direction.CPU_TO_DISK, slots[0])
+
+    def make_disk_room(self, page_size: int) -> None:
+        policy = self.disk_policy.get(page_size)
+        victims = policy.evict(1, ()) if policy is not None and len(policy) else None
+        for pid in victims or []:
+            page = self.table.pages[pid]
+            self.counters.evictions[Tier.DISK] += 1
+            policy.insert(page.meta())  # type: ignore[union-attr]
+            self.drop(page, "disk_full")
+
+    # -- prepare ---------------------------------------------------------------------------------
+    def start(self, page: Page, direction: Direction, dst: int, *, urgent: bool = False) -> Move:
+        pool = self.pools[page.pool_id] if page.pool_id is not None and Tier.GPU in direction.value else None
+        self.unsettle(page)
+        move = Move(direction, page.page_size, page.slot, dst, page=page,
+                    pool=pool.dev if pool else None, urgent=urgent, ready=page.ready)
+        page.move = move
+        page.state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
+        if pool is not None and direction is Direction.GPU_TO_CPU:
+            pool.moving_down += 1
+        self.scheduler.submit([move])
+        return move
+
+    def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
+        """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
+        todo = [p for p in pages if p.state is PageState.GPU and p.pins == 0]
+        if not todo or not self.config.enabled:
+            return 0
+        by_size: dict[int, list[Page]] = {}
+        for p in todo:
+            by_size.setdefault(p.page_size, []).append(p)
+        queued = 0
+        for size, group in by_size.items():
+            slots = self.cpu_slots(size, len(group))
+            for page, slot in zip(group, slots, strict=False):
+                self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent)
+                queued += 1
+        return queued
+
+    def restore_cpu(self, pool: Pool, pages: list[Page], *, urgent: bool = True) -> int:
+        """Queue CPU->GPU for as many pages as the pool has free slots."""
+        slots = pool.dev.alloc(len(pages)) if pages else []
+        if slots is None:
+            slots = pool.dev.alloc(min(pool.dev.num_free, len(pages))) or []
+        for page, slot in zip(pages, slots, strict=False):
+            self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent)
+        return len(slots)
+
+    def restore_disk(self, pages: list[Page]) -> int:
+        """Queue disk->CPU (the first leg of a disk restore)."""
+        started = 0
+        for page in pages:
+            slots = self.cpu_slots(page.page_size, 1)
+            if not slots:
+                break
+            self.start(page, Direction.DISK_TO_CPU, slots[0], urgent=True)
+            started += 1
+        return started
+
+    # -- complete --------------------------------------------------------------------------------
+    def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
+        with self.cond:
+            for move, ok in zip(moves, results, strict=True):
+                c = self.counters.moved[move.direction]
+                if ok:
+                    c.bytes += move.nbytes
+                    c.pages += 1
+                else:
+                    c.failures += 1
+                self._finish(move, ok)
+            if moves:
+                self.counters.moved[moves[0].direction].batches += 1
+                self.counters.moved[moves[0].direction].seconds += seconds
+            self.cond.notify_all()
+
+    def _finish(self, move: Move, ok: bool) -> None:
+        page = move.page
+        if move.copy or page is None:
+            move.result = ok
+            return
+        page.move = None
+        src, dst = move.direction.src, move.direction.dst
+        pool = self.pools.get(page.pool_id) if page.pool_id is not None else None
+        if pool is not None and move.direction is Direction.GPU_TO_CPU:
+            pool.moving_down -= 1
+        if ok:
+            self.free_slot(page.page_size, src, move.src, pool)
+            self.settle(page, dst, move.dst)
+            if dst is Tier.DISK and page.key is not None and self.disk is not None:
+                self.disk.set_record(page.page_size, move.dst,  # type: ignore[arg-type]
+                                     DiskRecord(key=page.key, tenant=page.tenant))
+            self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
+        else:
+            self.free_slot(page.page_size, dst, move.dst, pool)
+            page.tier, page.slot = src, move.src
+            self.settle(page, src, move.src)
+            if move.direction is Direction.DISK_TO_CPU and not self.closed:
+                self.counters.checksum_failures += 1
+                self.drop(page, "corrupt")
+        if page.doomed:
+            self.release_page(page)
+            self.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
+
+    def cancel(self, page: Page) -> bool:
+        """Take back a queued (not started) move: the page stays where it was."""
+        move = page.move
+        if move is None or not self.scheduler.cancel(move):
+            return False
+        self.counters.cancelled_offloads += int(not move.direction.is_restore)
+        self._finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(move)
+        return True
+
+    def _undo(self, move: Move) -> None:
+        page = move.page
+        assert page is not None
+        page.move = None
+        self.free_slot(page.page_size, move.direction.dst, move.dst)
+        self.settle(page, move.direction.src, move.src)

@@ -1,0 +1,97 @@
+"""The page table: the one place where page state lives.
+
+Contract:
+    * Every page is in exactly one :class:`PageState`; ``tier``/``slot`` say where its bytes are
+      (while moving: the source, which stays valid until the move completes).
+    * ``pins`` > 0 means an engine is using the page on the GPU: it never moves or is evicted.
+    * A page with ``pool_id is None`` is a *keyed* page (a stored prefix block) owned by ``tenant``;
+      keyed pages live in the CPU and disk tiers only.
+    * The table is not thread-safe: the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import NotFound
+from kvtier.types import PageId, PageMeta, PageState, PoolId, Tier
+
+if TYPE_CHECKING:
+    from kvtier.transfer.base import Move
+
+
+@dataclass(slots=True, eq=False)
+class Page:
+    """One logical page. Mutated only by the engine under its lock."""
+
+    page_id: PageId
+    pool_id: PoolId | None
+    tenant: str
+    page_size: int
+    state: PageState
+    tier: Tier
+    slot: int
+    priority: float = 1.0
+    position: int = 0
+    length: int = 1
+    pins: int = 0
+    hits: int = 0
+    key: bytes | None = None
+    move: Move | None = None  # the move in flight (state MOVING_*), else None
+    doomed: bool = False  # freed while moving: release everything when the move completes
+    ready: Any = None  # CUDA event recorded when the engine last released the page
+
+    def meta(self) -> PageMeta:
+        return PageMeta(self.page_id, self.priority, self.position, self.length)
+
+    @property
+    def moving(self) -> bool:
+        return self.state in (PageState.MOVING_DOWN, PageState.MOVING_UP)
+
+
+@dataclass(slots=True)
+class PageTable:
+    """Pages by id, by pool and by (salted) content key."""
+
+    pages: dict[PageId, Page] = field(default_factory=dict)
+    by_pool: dict[PoolId, set[PageId]] = field(default_factory=dict)
+    by_key: dict[bytes, PageId] = field(default_factory=dict)
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def new_id(self) -> PageId:
+        return PageId(next(self._ids))
+
+    def add(self, page: Page) -> None:
+        assert page.page_id not in self.pages
+        self.pages[page.page_id] = page
+        if page.pool_id is not None:
+            self.by_pool.setdefault(page.pool_id, set()).add(page.page_id)
+        if page.key is not None:
+            self.by_key[page.key] = page.page_id
+
+    def remove(self, page: Page) -> None:
+        self.pages.pop(page.page_id, None)
+        if page.pool_id is not None:
+            self.by_pool.get(page.pool_id, set()).discard(page.page_id)
+        if page.key is not None and self.by_key.get(page.key) == page.page_id:
+            del self.by_key[page.key]
+
+    def get(self, pool_id: PoolId, page_id: PageId) -> Page:
+        """The pool's page; ``NotFound`` for unknown ids and for pages of other pools."""
+        page = self.pages.get(page_id)
+        if page is None or page.pool_id != pool_id:
+            raise NotFound(f"page {page_id} not found in pool {pool_id}")
+        return page
+
+    def keyed(self, key: bytes) -> Page | None:
+        pid = self.by_key.get(key)
+        return self.pages.get(pid) if pid is not None else None
+
+    def of_pool(self, pool_id: PoolId) -> list[Page]:
+        return [self.pages[p] for p in self.by_pool.get(pool_id, ())]
+
+    def count(self, state: PageState) -> int:
+        return sum(1 for p in self.pages.values() if p.state is state)

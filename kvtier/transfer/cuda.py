@@ -1,0 +1,85 @@
+"""GPU<->CPU handlers on CUDA: one gather kernel + one DMA per contiguous host run, per batch.
+
+Each handler owns a CUDA stream, a device staging buffer of ``staging_bytes`` (the largest batch)
+and an event. A batch first waits (on its stream, not the host) for the events the engine recorded
+when pages were last released, then copies, then records its event; the lane thread waits for that
+one event, so a slot is reused only after its bytes have landed. No device-wide synchronize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.tiers.pinned import HostArena
+from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.gather import gather, scatter
+from kvtier.transfer.host import by_pool
+from kvtier.types import Direction
+
+
+class _CudaHandler(TransferHandler):
+    def __init__(self, arena: HostArena, device: torch.device, staging_bytes: int) -> None:
+        self._arena = arena
+        self._device = device
+        self._stream = torch.cuda.Stream(device)
+        self._staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
+        self._done = torch.cuda.Event()
+
+    def _buffer(self, rows: int, size: int) -> torch.Tensor:
+        if rows * size <= self._staging.numel():
+            return self._staging[: rows * size].view(rows, size)
+        return torch.empty((rows, size), dtype=torch.uint8, device=self._device)
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self._device, non_blocking=True)
+
+    def run(self, moves: list[Move]) -> list[bool]:
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            for event in {id(m.ready): m.ready for m in moves if m.ready is not None}.values():
+                self._stream.wait_event(event)
+            for group in by_pool(moves):
+                self._copy([moves[i] for i in group])
+            self._done.record(self._stream)
+        self._done.synchronize()
+        return [True] * len(moves)
+
+    def _copy(self, group: list[Move]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stream.synchronize()
+
+
+class CudaOffload(_CudaHandler):
+    """GPU->CPU: gather the pages into staging in host-run order, then one DMA per run."""
+
+    direction = Direction.GPU_TO_CPU
+
+    def _copy(self, group: list[Move]) -> None:
+        pool, size = group[0].pool, group[0].page_size
+        assert pool is not None
+        runs = self._arena.runs(size, [m.dst for m in group])
+        order = [p for _, positions in runs for p in positions]
+        staging = self._buffer(len(group), size)
+        gather(pool.segments, self._index([group[p].src for p in order]), staging)
+        start = 0
+        for view, positions in runs:
+            view.copy_(staging[start : start + len(positions)], non_blocking=True)
+            start += len(positions)
+
+
+class CudaRestore(_CudaHandler):
+    """CPU->GPU: one DMA per host run into staging, then one scatter kernel into the pool."""
+
+    direction = Direction.CPU_TO_GPU
+
+    def _copy(self, group: list[Move]) -> None:
+        pool, size = group[0].pool, group[0].page_size
+        assert pool is not None
+        runs = self._arena.runs(size, [m.src for m in group])
+        staging = self._buffer(len(group), size)
+        order: list[int] = []
+        for view, positions in runs:
+            staging[len(order) : len(order) + len(positions)].copy_(view, non_blocking=True)
+            order.extend(positions)
+        scatter(pool.segments, self._index([group[p].dst for p in order]), staging)

@@ -1,0 +1,63 @@
+"""GPU<->CPU handlers for CPU mode, where the "GPU" pool lives in host shared memory.
+
+Real bytes move: each batch is one gather (or scatter) per contiguous run of host slots, written
+straight into (or read straight from) the host arena's chunk memory.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from kvtier.tiers.pinned import HostArena
+from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.gather import gather, scatter
+from kvtier.types import Direction
+
+
+def by_pool(moves: list[Move]) -> list[list[int]]:
+    """Positions of ``moves`` grouped by their pool, in first-seen order."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, move in enumerate(moves):
+        assert move.pool is not None, "GPU<->CPU move without a pool"
+        groups[id(move.pool)].append(i)
+    return list(groups.values())
+
+
+class HostOffload(TransferHandler):
+    """GPU->CPU in CPU mode: gather pool rows directly into each destination run."""
+
+    direction = Direction.GPU_TO_CPU
+
+    def __init__(self, arena: HostArena) -> None:
+        self._arena = arena
+
+    def run(self, moves: list[Move]) -> list[bool]:
+        for group in by_pool(moves):
+            pool = moves[group[0]].pool
+            assert pool is not None
+            size = moves[group[0]].page_size
+            src = torch.tensor([moves[i].src for i in group], dtype=torch.long)
+            for view, positions in self._arena.runs(size, [moves[i].dst for i in group]):
+                gather(pool.segments, src[positions], view)
+        return [True] * len(moves)
+
+
+class HostRestore(TransferHandler):
+    """CPU->GPU in CPU mode: scatter each source run into the pool's rows."""
+
+    direction = Direction.CPU_TO_GPU
+
+    def __init__(self, arena: HostArena) -> None:
+        self._arena = arena
+
+    def run(self, moves: list[Move]) -> list[bool]:
+        for group in by_pool(moves):
+            pool = moves[group[0]].pool
+            assert pool is not None
+            size = moves[group[0]].page_size
+            dst = torch.tensor([moves[i].dst for i in group], dtype=torch.long)
+            for view, positions in self._arena.runs(size, [moves[i].src for i in group]):
+                scatter(pool.segments, dst[positions], view)
+        return [True] * len(moves)
