@@ -212,3 +212,24 @@ class ArenaMachine(RuleBasedStateMachine):
 
 TestArenaMachine = ArenaMachine.TestCase
 TestArenaMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunks_are_registered_and_dma_round_trips() -> None:
+    with HostArena(budget_bytes=1 << 22, chunk_bytes=1 << 20, pin=True) as arena:
+        got = arena.alloc(64 * KIB, 4)
+        assert got is not None and arena.is_pinned(64 * KIB, got[0])
+        (view, pos), *rest = arena.runs(64 * KIB, got)
+        assert not rest and pos == [0, 1, 2, 3] and view.is_pinned()
+        view.copy_(torch.arange(view.numel(), dtype=torch.int64).remainder(251).view_as(view))
+        dev = view.to("cuda", non_blocking=True)
+        back = arena.alloc(64 * KIB, 4)
+        assert back is not None
+        (dst, _), *_ = arena.runs(64 * KIB, back)
+        dst.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dst, view)
+        buf = arena.get_buffer(3 * KIB)
+        assert buf is not None and buf.is_pinned()
+        arena.put_buffer(buf)
