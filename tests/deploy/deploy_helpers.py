@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -25,9 +26,9 @@ checks = _load("kvtier_deploy_checks", ROOT / "deploy" / "checks.py")
 gen_env = _load("kvtier_deploy_gen_env", ROOT / "deploy" / "gen_env.py")
 
 
-def run_check(fn: object, *args: object) -> list[str]:
+def run_check(fn: Callable[..., list[str]], *args: object) -> list[str]:
     """Run one check; skip the test with the reason when its tool is not installed."""
     try:
-        return fn(*args)  # type: ignore[operator, no-any-return]
+        return fn(*args)
     except checks.ToolMissing as exc:
         pytest.skip(str(exc))
