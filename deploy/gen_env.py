@@ -4,8 +4,8 @@
 - ``deploy/systemd/kvtier.env``: the EnvironmentFile, every variable commented out at its default;
 - ``deploy/k8s/configmap.yaml``: the ConfigMap the pods load with ``envFrom``, with the few values
   a pod needs that differ from the defaults (listeners, metrics address, token file);
-- the markdown configuration table between the markers below, in ``docs/operations.md`` and in any
-  other file given with ``--table`` (the README, once it has the markers).
+- the markdown configuration table between the markers below, in ``docs/operations.md``, in
+  ``README.md`` once it has the two marker lines, and in any file given with ``--table``.
 
 ``--check`` writes nothing and exits 1 if any output differs from what is committed.
 """
@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stale = 0
-    for path, want in outputs([ROOT / "docs/operations.md", *args.table]).items():
+    for path, want in outputs(
+        [ROOT / "docs/operations.md", ROOT / "README.md", *args.table]
+    ).items():
         have = path.read_text(encoding="utf-8") if path.exists() else ""
         if have == want:
             continue

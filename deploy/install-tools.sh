@@ -22,7 +22,15 @@ command -v promtool >/dev/null || packages+=(prometheus)
 command -v kubectl >/dev/null || packages+=(kubernetes-client)
 if [ "${#packages[@]}" -gt 0 ]; then
   $SUDO apt-get update -qq
-  # No recommends: the prometheus package alone brings promtool; the server is never started.
+  # Only the tools are wanted: forbid package scripts from starting services (the prometheus
+  # server) while installing, unless the machine already has a policy of its own.
+  policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    policy=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
+    $SUDO chmod 0755 "$policy"
+    trap '$SUDO rm -f "$policy"' EXIT
+  fi
   $SUDO apt-get install -y -qq --no-install-recommends "${packages[@]}"
 fi
 
