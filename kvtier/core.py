@@ -52,7 +52,8 @@ class EngineCore:
         self.counters = EngineCounters()
         self.events = EventHub()
         cuda = self.device.type == "cuda"
-        self.host = HostArena(config.cpu_budget_bytes, config.pinned_chunk_mb * MIB, pin=cuda)
+        chunk = max(4096, min(config.pinned_chunk_mb * MIB, config.cpu_budget_bytes) // 4096 * 4096)
+        self.host = HostArena(config.cpu_budget_bytes, chunk, pin=cuda)
         self.disk: DiskStore | None = None
         if config.disk_budget_bytes:
             from kvtier.tiers.disk import DiskStore
@@ -76,6 +77,19 @@ class EngineCore:
             max_inflight_bytes=config.max_inflight_mb * MIB,
             on_complete=self.complete,
         )
+        self._reload_disk()
+
+    def _reload_disk(self) -> None:
+        """Keyed pages persisted by an earlier process come back as DISK pages."""
+        if self.disk is None:
+            return
+        for page_size, slot, record in self.disk.records():
+            if self.table.keyed(record.key) is not None:
+                continue
+            page = Page(self.table.new_id(), None, record.tenant, page_size, PageState.DISK,
+                        Tier.DISK, slot, key=record.key)
+            self.table.add(page)
+            self.settle(page, Tier.DISK, slot)
 
     # -- policies per tier ----------------------------------------------------------------------
     def new_policy(self) -> EvictionPolicy:
@@ -188,7 +202,8 @@ class EngineCore:
             self.drop(page, "disk_full")
 
     # -- prepare ---------------------------------------------------------------------------------
-    def start(self, page: Page, direction: Direction, dst: int, *, urgent: bool = False) -> Move:
+    def start(self, page: Page, direction: Direction, dst: int, *, urgent: bool = False,
+              submit: bool = True) -> Move:
         pool = self.pools[page.pool_id] if page.pool_id is not None and Tier.GPU in direction.value else None
         self.unsettle(page)
         move = Move(direction, page.page_size, page.slot, dst, page=page,
@@ -197,7 +212,8 @@ class EngineCore:
         page.state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
         if pool is not None and direction is Direction.GPU_TO_CPU:
             pool.moving_down += 1
-        self.scheduler.submit([move])
+        if submit:
+            self.scheduler.submit([move])
         return move
 
     def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
@@ -208,21 +224,23 @@ class EngineCore:
         by_size: dict[int, list[Page]] = {}
         for p in todo:
             by_size.setdefault(p.page_size, []).append(p)
-        queued = 0
+        moves: list[Move] = []
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
             for page, slot in zip(group, slots, strict=False):
-                self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent)
-                queued += 1
-        return queued
+                moves.append(self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent, submit=False))
+        self.scheduler.submit(moves)
+        return len(moves)
 
     def restore_cpu(self, pool: Pool, pages: list[Page], *, urgent: bool = True) -> int:
         """Queue CPU->GPU for as many pages as the pool has free slots."""
         slots = pool.dev.alloc(len(pages)) if pages else []
         if slots is None:
             slots = pool.dev.alloc(min(pool.dev.num_free, len(pages))) or []
-        for page, slot in zip(pages, slots, strict=False):
-            self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent)
+        self.scheduler.submit([
+            self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent, submit=False)
+            for page, slot in zip(pages, slots, strict=False)
+        ])
         return len(slots)
 
     def restore_disk(self, pages: list[Page]) -> int:

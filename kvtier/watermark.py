@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 from kvtier.core import EngineCore
 from kvtier.pool import Pool, Protected
 from kvtier.types import PageState
+
+
+PERSIST_EVERY_S = 2.0
 
 
 class Watermarks:
@@ -26,7 +30,11 @@ class Watermarks:
 
     def _loop(self) -> None:
         core = self._core
+        last_persist = time.monotonic()
         while not self._stop.wait(self._interval):
+            if core.disk is not None and time.monotonic() - last_persist > PERSIST_EVERY_S:
+                core.disk.persist()  # bounds what a kill -9 can lose of the keyed-page index
+                last_persist = time.monotonic()
             if not core.config.enabled:
                 continue
             with core.cond:

@@ -1,0 +1,219 @@
+"""Transfer benchmark: engine offload/restore of scattered pages vs the raw hardware limit.
+
+For each page size, 1 GiB per batch of *scattered* pages (every other slot of a pool):
+    * raw: one contiguous pinned copy of the same bytes, each way and both ways at once;
+    * loop: one copy call per page (the naive baseline), on a bounded sample of pages;
+    * engine: ``offload`` + wait, ``acquire`` (restore), and both at once, end to end through the
+      page table, scheduler and handlers; ``data path`` is the handlers' own time (counters);
+    * restore latency (p50/p99) of a 1 MiB acquire, idle and while a 4 GiB offload backlog drains.
+All figures from one run, on one device. Writes a markdown table and JSON to ``--out``.
+
+    python benchmarks/transfer.py --out results/   # needs CUDA; --device cpu for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kvtier import OffloadConfig, PageState, TierEngine
+
+GIB = 1 << 30
+
+
+def timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def raw_copies(nbytes: int, page: int, device: torch.device) -> dict[str, float]:
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host2 = torch.empty_like(host)
+    gpu2 = torch.empty_like(gpu)
+    out = {}
+    for _ in range(2):  # warm-up, then measure
+        out["raw_d2h"] = nbytes / timed(lambda: host.copy_(gpu, non_blocking=True), device) / 1e9
+        out["raw_h2d"] = nbytes / timed(lambda: gpu.copy_(host, non_blocking=True), device) / 1e9
+    if device.type == "cuda":
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                host.copy_(gpu, non_blocking=True)
+            with torch.cuda.stream(s2):
+                gpu2.copy_(host2, non_blocking=True)
+
+        out["raw_both"] = 2 * nbytes / timed(both, device) / 1e9
+    n = min(nbytes // page, 4096)
+    rows_g, rows_h = gpu[: n * page].view(n, page), host[: n * page].view(n, page)
+    order = torch.randperm(n).tolist()
+
+    def loop() -> None:
+        for i, j in enumerate(order):
+            rows_h[i].copy_(rows_g[j], non_blocking=True)
+
+    out["loop_d2h"] = n * page / timed(loop, device) / 1e9
+    return out
+
+
+def wait_state(engine: TierEngine, pool_id, ids, state: PageState) -> None:
+    deadline = time.monotonic() + 120
+    last = ids[-1]
+    while engine.page_info(pool_id, last).state is not state or any(
+        engine.page_info(pool_id, p).state is not state for p in ids[:: max(1, len(ids) // 64)]
+    ):
+        if time.monotonic() > deadline:
+            raise TimeoutError("pages never settled")
+        time.sleep(0.0002)
+    while any(engine.page_info(pool_id, p).state is not state for p in ids):
+        time.sleep(0.0002)
+
+
+def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float]:
+    n = nbytes // page
+    cfg = OffloadConfig(device=str(device), page_size=page, gpu_memory_gb=2 * nbytes / GIB + 0.01,
+                        cpu_memory_gb=2.2 * nbytes / GIB, pinned_chunk_mb=256, batch_mb=64,
+                        max_inflight_mb=512, threshold=1.0, low_watermark=0.99, metrics_addr="")
+    engine = TierEngine(cfg)
+    try:
+        pool = engine.attach("bench", 2 * n, page)
+        got = engine.allocate(pool.pool_id, 2 * n)
+        assert got is not None
+        ids = [p for p, _ in got]
+        seg = pool.segments[0]
+        seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, device=seg.device))
+        engine.release(pool.pool_id, ids)
+        a, b = ids[0::2], ids[1::2]  # scattered: every other slot
+        sample = {p: seg[engine.page_info(pool.pool_id, p).slot].clone() for p in a[:: max(1, n // 16)]}
+        moved = engine.stats().counters.moved
+        out: dict[str, float] = {}
+        from kvtier.types import Direction
+
+        d0 = moved[Direction.GPU_TO_CPU].seconds
+        t = timed(lambda: (engine.offload(pool.pool_id, a), wait_state(engine, pool.pool_id, a, PageState.CPU)), device)
+        out["offload"] = nbytes / t / 1e9
+        out["offload_datapath"] = nbytes / (moved[Direction.GPU_TO_CPU].seconds - d0) / 1e9
+        seg[torch.tensor([s for s in range(2 * n)], device=seg.device)[0::2]].zero_()
+        d0 = moved[Direction.CPU_TO_GPU].seconds
+        t = timed(lambda: engine.acquire(pool.pool_id, a), device)
+        out["restore"] = nbytes / t / 1e9
+        out["restore_datapath"] = nbytes / (moved[Direction.CPU_TO_GPU].seconds - d0) / 1e9
+        for pid, data in sample.items():
+            assert torch.equal(seg[engine.page_info(pool.pool_id, pid).slot], data), "restored bytes differ"
+        engine.release(pool.pool_id, a)
+        engine.offload(pool.pool_id, b)
+        wait_state(engine, pool.pool_id, b, PageState.CPU)
+
+        def both() -> None:
+            th = threading.Thread(target=lambda: engine.acquire(pool.pool_id, b))
+            th.start()
+            engine.offload(pool.pool_id, a)
+            th.join()
+            wait_state(engine, pool.pool_id, a, PageState.CPU)
+
+        out["both"] = 2 * nbytes / timed(both, device) / 1e9
+        engine.release(pool.pool_id, b)
+        return out
+    finally:
+        engine.close()
+
+
+def latency_case(device: torch.device, backlog: int) -> dict[str, float]:
+    page = 256 << 10
+    per_req = 4  # 1 MiB
+    nb = backlog // page
+    cfg = OffloadConfig(device=str(device), page_size=page, gpu_memory_gb=(backlog + (64 << 20)) / GIB + 0.01,
+                        cpu_memory_gb=(backlog + (256 << 20)) / GIB, pinned_chunk_mb=256, batch_mb=64,
+                        max_inflight_mb=512, threshold=1.0, low_watermark=0.99, metrics_addr="")
+    engine = TierEngine(cfg)
+    try:
+        pool = engine.attach("lat", nb + 256, page)
+        req = [p for p, _ in engine.allocate(pool.pool_id, 256)]
+        bulk = [p for p, _ in engine.allocate(pool.pool_id, nb)]
+        engine.release(pool.pool_id, req + bulk)
+        groups = [req[i : i + per_req] for i in range(0, len(req), per_req)]
+
+        def sample(busy: bool) -> list[float]:
+            engine.offload(pool.pool_id, req)
+            wait_state(engine, pool.pool_id, req, PageState.CPU)
+            if busy:
+                engine.offload(pool.pool_id, bulk)  # the backlog, queued behind nothing
+            lat = []
+            for ids in groups:
+                if busy and engine.stats().queued_offloads == 0:
+                    break
+                t0 = time.perf_counter()
+                engine.acquire(pool.pool_id, ids)
+                lat.append(time.perf_counter() - t0)
+                engine.release(pool.pool_id, ids)
+            if busy:
+                wait_state(engine, pool.pool_id, bulk, PageState.CPU)
+                engine.acquire(pool.pool_id, bulk)
+                engine.release(pool.pool_id, bulk)
+            return lat
+
+        idle = [x for _ in range(3) for x in sample(False)]
+        busy = [x for _ in range(5) for x in sample(True)]
+
+        def q(xs: list[float], p: float) -> float:
+            return statistics.quantiles(xs, n=100)[p - 1] * 1e3 if len(xs) > 2 else float("nan")
+
+        return {"idle_p50_ms": q(idle, 50), "idle_p99_ms": q(idle, 99), "busy_p50_ms": q(busy, 50),
+                "busy_p99_ms": q(busy, 99), "busy_samples": float(len(busy))}
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-gib", type=float, default=1.0)
+    ap.add_argument("--backlog-gib", type=float, default=4.0)
+    ap.add_argument("--pages", default="16K,64K,256K,2M")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    nbytes = int(args.batch_gib * GIB)
+    sizes = {"16K": 16 << 10, "64K": 64 << 10, "256K": 256 << 10, "2M": 2 << 20}
+    rows = []
+    for name in args.pages.split(","):
+        page = sizes[name]
+        raw = raw_copies(nbytes, page, device)
+        eng = engine_case(page, nbytes, device)
+        rows.append({"page": name, **raw, **eng})
+        print(json.dumps(rows[-1]), flush=True)
+    lat = latency_case(device, int(args.backlog_gib * GIB))
+    print(json.dumps(lat), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    (args.out / "transfer.json").write_text(json.dumps({"device": name, "rows": rows, "latency": lat}, indent=2))
+    lines = [f"Device: {name}; batch {args.batch_gib} GiB of scattered pages; GB/s = 1e9 B/s", "",
+             "| page | raw D2H | raw H2D | raw both | loop D2H | engine offload (data path) | engine restore (data path) | engine both | offload/raw | restore/raw |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['page']} | {r['raw_d2h']:.1f} | {r['raw_h2d']:.1f} | {r.get('raw_both', float('nan')):.1f} | "
+            f"{r['loop_d2h']:.1f} | {r['offload']:.1f} ({r['offload_datapath']:.1f}) | "
+            f"{r['restore']:.1f} ({r['restore_datapath']:.1f}) | {r['both']:.1f} | "
+            f"{r['offload'] / r['raw_d2h']:.2f} | {r['restore'] / r['raw_h2d']:.2f} |")
+    lines += ["", f"Restore of 1 MiB (4 x 256 KiB): idle p50 {lat['idle_p50_ms']:.2f} ms, p99 {lat['idle_p99_ms']:.2f} ms; "
+              f"under a {args.backlog_gib} GiB offload backlog p50 {lat['busy_p50_ms']:.2f} ms, p99 {lat['busy_p99_ms']:.2f} ms "
+              f"({int(lat['busy_samples'])} samples)"]
+    (args.out / "transfer.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Scenario tests of the tier engine on small integer-sized pools (CPU mode, real bytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import PageState, Tier
+from kvtier.errors import FailedPrecondition, InvalidArgument, NotFound, PageLost
+from tests.conftest import PAGE
+
+
+def fill(engine, pool, pages: list[int], seed: int = 0) -> dict[int, torch.Tensor]:
+    """Write a distinct random page into each page id; returns the expected bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    expected = {}
+    for pid in pages:
+        data = torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen)
+        engine.write(pool.pool_id, pid, data)
+        expected[pid] = data
+    return expected
+
+
+def verify(engine, pool, expected: dict[int, torch.Tensor]) -> None:
+    for pid, data in expected.items():
+        assert torch.equal(engine.read(pool.pool_id, pid), data), f"page {pid} bytes differ"
+
+
+def test_pressure_offloads_and_restores_exact_bytes(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 8)
+    first = engine.allocate(pool.pool_id, 8)
+    ids = [p for p, _ in first]
+    engine.release(pool.pool_id, ids)
+    expected = fill(engine, pool, ids)
+    more = engine.allocate(pool.pool_id, 8)  # forces all 8 earlier pages off the GPU
+    assert more is not None
+    engine.release(pool.pool_id, [p for p, _ in more])
+    states = {engine.page_info(pool.pool_id, p).state for p in ids}
+    assert states == {PageState.CPU}
+    verify(engine, pool, expected)
+    assert engine.stats().counters.moved[next(iter(engine.stats().counters.moved))].pages > 0
+
+
+def test_cpu_full_cascades_to_disk_and_back(make_engine):
+    engine = make_engine(cpu_memory_gb=8 * PAGE / 2**30, disk_admission="always")
+    pool = engine.attach("t", 4)
+    ids = []
+    for _ in range(6):  # 24 pages through a 4-slot GPU and an 8-page CPU tier
+        got = engine.allocate(pool.pool_id, 4)
+        assert got is not None
+        ids += [p for p, _ in got]
+        engine.release(pool.pool_id, [p for p, _ in got])
+    expected = fill(engine, pool, ids, seed=1)
+    tiers = {engine.page_info(pool.pool_id, p).tier for p in ids}
+    assert Tier.DISK in tiers
+    verify(engine, pool, expected)
+    assert engine.stats().counters.moved  # counted
+    assert engine.stats().tiers[1].used_bytes <= 8 * PAGE
+
+
+def test_pinned_pages_never_move(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 4)
+    got = engine.allocate(pool.pool_id, 4)
+    pinned = got[0][0]
+    engine.release(pool.pool_id, [p for p, _ in got[1:]])
+    slot = engine.page_info(pool.pool_id, pinned).slot
+    for _ in range(5):
+        more = engine.allocate(pool.pool_id, 3)
+        assert more is not None
+        engine.release(pool.pool_id, [p for p, _ in more])
+    info = engine.page_info(pool.pool_id, pinned)
+    assert info.state is PageState.GPU and info.slot == slot and info.pins == 1
+    assert engine.allocate(pool.pool_id, 4) is None  # one slot is pinned: capacity shortfall
+
+
+def test_acquire_more_than_free_slots_is_a_shortfall_not_an_error(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 2)
+    got = engine.allocate(pool.pool_id, 2)
+    assert engine.allocate(pool.pool_id, 1) is None
+    assert engine.stats().pinned_pages == 2
+    engine.release(pool.pool_id, [p for p, _ in got])
+
+
+def test_bad_inputs_raise_and_change_nothing(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 4)
+    got = engine.allocate(pool.pool_id, 2)
+    before = engine.stats()
+    with pytest.raises(InvalidArgument, match="n"):
+        engine.allocate(pool.pool_id, 0)
+    with pytest.raises(InvalidArgument, match="page_ids"):
+        engine.acquire(pool.pool_id, [])
+    with pytest.raises(NotFound):
+        engine.acquire(pool.pool_id, [999])
+    with pytest.raises(NotFound):
+        engine.allocate(12345, 1)
+    with pytest.raises(InvalidArgument, match="priority"):
+        engine.set_priority(pool.pool_id, [got[0][0]], -1.0)
+    with pytest.raises(InvalidArgument, match="tenant"):
+        engine.attach("", 4)
+    with pytest.raises(FailedPrecondition):
+        engine.release(pool.pool_id, [got[0][0]]) or engine.release(pool.pool_id, [got[0][0]])
+    after = engine.stats()
+    assert after.tiers == before.tiers and after.pools == before.pools
+
+
+def test_tenants_cannot_name_each_others_pages(make_engine):
+    engine = make_engine(disk=False)
+    a = engine.attach("alice", 4)
+    b = engine.attach("bob", 4)
+    pa = engine.allocate(a.pool_id, 1)[0][0]
+    with pytest.raises(NotFound):
+        engine.acquire(b.pool_id, [pa])
+    with pytest.raises(NotFound):
+        engine.free(b.pool_id, [pa])
+    slot = engine.page_info(a.pool_id, pa).slot
+    assert engine.store(a.pool_id, [b"block-0"], [slot]) == 1
+    assert engine.lookup("alice", [b"block-0"]) == [Tier.CPU]
+    assert engine.lookup("bob", [b"block-0"]) == []
+
+
+def test_store_lookup_load_roundtrip_and_prefix(make_engine):
+    engine = make_engine()
+    pool = engine.attach("t", 4)
+    got = engine.allocate(pool.pool_id, 3)
+    slots = [s for _, s in got]
+    expected = []
+    for i, s in enumerate(slots):
+        pool.segments[0][s].fill_(i + 7)
+        expected.append(pool.segments[0][s].clone())
+    keys = [b"h0", b"h1", b"h2"]
+    assert engine.store(pool.pool_id, keys, slots) == 3
+    assert engine.store(pool.pool_id, keys[:1], slots[:1]) == 1  # already stored: counted, not rewritten
+    assert engine.lookup("t", [b"h0", b"h1", b"zz", b"h2"]) == [Tier.CPU, Tier.CPU]
+    for s in slots:
+        pool.segments[0][s].zero_()
+    assert engine.load(pool.pool_id, keys + [b"missing"], slots + [slots[0]]) == 3
+    for s, data in zip(slots, expected, strict=True):
+        assert torch.equal(pool.segments[0][s], data)
+
+
+def test_free_returns_every_slot(make_engine):
+    engine = make_engine()
+    pool = engine.attach("t", 4)
+    ids = []
+    for _ in range(4):
+        got = engine.allocate(pool.pool_id, 4)
+        ids += [p for p, _ in got]
+        engine.release(pool.pool_id, [p for p, _ in got])
+    engine.free(pool.pool_id, ids)
+    stats = engine.stats()
+    assert [t.used_bytes for t in stats.tiers] == [0, 0, 0]
+    assert all(t.pages == 0 for t in stats.tiers)
+
+
+def test_dropped_page_raises_page_lost(make_engine):
+    engine = make_engine(disk=False, cpu_memory_gb=4 * PAGE / 2**30)
+    pool = engine.attach("t", 2)
+    ids = []
+    for _ in range(5):
+        got = engine.allocate(pool.pool_id, 2)
+        ids += [p for p, _ in got]
+        engine.release(pool.pool_id, [p for p, _ in got])
+    lost = [p for p in ids if engine.page_info(pool.pool_id, p).state is PageState.DROPPED]
+    assert lost, "a 2-slot GPU and 4-page CPU tier cannot hold 10 pages without a disk"
+    with pytest.raises(PageLost):
+        engine.acquire(pool.pool_id, lost[:1])
+    assert engine.stats().counters.drops.get("cpu_full", 0) == len(lost)
+
+
+def test_offload_hint_and_prefetch(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 8)
+    got = engine.allocate(pool.pool_id, 4)
+    ids = [p for p, _ in got]
+    engine.release(pool.pool_id, ids)
+    assert engine.offload(pool.pool_id, ids) == 4
+    engine.acquire(pool.pool_id, ids[:1])  # waits for the in-flight offload or cancels it
+    engine.release(pool.pool_id, ids[:1])
+    assert engine.prefetch(pool.pool_id, ids) >= 0
