@@ -9,10 +9,14 @@ from kvtier.training.activations import (
     mark_not_offload,
     offload_modules,
 )
+from kvtier.training.gradients import GradientOffloader
+from kvtier.training.optimizer import OffloadedOptimizer
 
 __all__ = [
+    "GradientOffloader",
     "ManualOffloadSynchronizer",
     "OffloadStats",
+    "OffloadedOptimizer",
     "get_cpu_offload_context",
     "mark_not_offload",
     "offload_modules",

@@ -34,39 +34,44 @@ class StreamPair:
             setattr(self, which, s)
         return s
 
-    def _copy(self, which: str, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
-        device = self._cuda_of(dst, src)
+    def copy_many(self, which: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+                  after: Any = None) -> Any:
+        """``dst.copy_(src)`` for each pair on the ``"d2h"`` or ``"h2d"`` stream, ordered after
+        the compute stream's work so far (and ``after``: an event or a list of events, ``None``
+        entries skipped); returns one completion event."""
+        device = self._cuda_of(*dsts, *srcs)
         if device is None:
-            dst.copy_(src)
+            for d, s in zip(dsts, srcs, strict=True):
+                d.copy_(s)
             return None
-        stream = self._stream(which, device)
-        ready = torch.cuda.current_stream(device).record_event()
-        stream.wait_event(ready)
-        if after is not None:
-            stream.wait_event(after)
+        stream = self._stream("_" + which, device)
+        stream.wait_event(torch.cuda.current_stream(device).record_event())
+        for event in after if isinstance(after, list | tuple) else [after]:
+            if event is not None:
+                stream.wait_event(event)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            # the caching allocator must not hand the device tensor to the compute stream again
-            # before this side-stream copy is done
-            for t in (dst, src):
-                if t.device.type == "cuda":
-                    t.record_stream(stream)
+            for d, s in zip(dsts, srcs, strict=True):
+                d.copy_(s, non_blocking=True)
+                # the caching allocator must not give the device tensor back to the compute
+                # stream before this side-stream copy is done
+                for t in (d, s):
+                    if t.device.type == "cuda":
+                        t.record_stream(stream)
             return stream.record_event()
 
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         """Start ``dst.copy_(src)`` on the D2H stream; returns its completion event (or None)."""
-        return self._copy("_d2h", dst, src, after)
+        return self.copy_many("d2h", [dst], [src], after)
 
     def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         """Start ``dst.copy_(src)`` on the H2D stream; returns its completion event (or None)."""
-        return self._copy("_h2d", dst, src, after)
+        return self.copy_many("h2d", [dst], [src], after)
 
     @staticmethod
     def wait_on_compute(event: Any) -> None:
         """Make the current stream wait for ``event`` (no host blocking)."""
         if event is not None:
-            torch.cuda.current_stream(event.device if hasattr(event, "device") else None
-                                      ).wait_event(event)
+            torch.cuda.current_stream().wait_event(event)
 
     @staticmethod
     def synchronize(*events: Any) -> None:

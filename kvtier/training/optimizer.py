@@ -1,0 +1,341 @@
+"""``OffloadedOptimizer``: any ``torch.optim`` class with master weights and states off the GPU.
+
+    opt = OffloadedOptimizer(model.parameters(), torch.optim.AdamW, mode="cpu", lr=1e-3)
+    loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+Contract:
+    * ``mode="cpu"``: gradients leave the device bucket by bucket during backward (see
+      ``gradients.py``; they accumulate on the host across backward passes), the step runs on the
+      CPU in a worker thread (``fused=True`` when the class supports it), and updated weights are
+      copied back (cast to the working dtype on the CPU, then one H2D copy per bucket) while the
+      next bucket steps. ``step()`` consumes the host gradients. With ``step_in_backward=True``
+      a bucket's step starts as soon as its gradients are in, unless inside ``no_sync()`` (use it
+      for every micro-batch but the last); clipping is then impossible.
+    * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
+      the working dtype is not fp32 and ``master_weights``) live on the host and are streamed
+      through two device staging buffers: bucket ``i + 1`` is loaded while bucket ``i`` steps and
+      bucket ``i - 1`` is written back.
+    * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
+      read one bucket ahead of use.
+    * ``master_weights`` (cpu mode: the host copy is fp32 when True, the working dtype when
+      False). Working weights are rewritten from the master after every step and on load.
+    * ``state_dict()``/``load_state_dict()`` carry master weights, states and hyper-parameters,
+      keyed by parameter position as in ``torch.optim``; resume continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from kvtier.training.base import MIB, BufferArena, default_arena, get_buffer
+from kvtier.training.buckets import FlatLayout, make_buckets
+from kvtier.training.gradients import GradBucket, GradientOffloader
+from kvtier.training.states import StateStore
+from kvtier.training.stepping import OptBucket, state_keys, with_fused
+from kvtier.training.streams import StreamPair
+
+_MODES = ("cpu", "gpu_stream")
+_TIERS = ("cpu", "disk")
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """See the module docstring for the contract."""
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer]
+                 = torch.optim.AdamW, *, mode: str = "cpu", master_weights: bool = True,
+                 state_tier: str = "cpu", arena: BufferArena | None = None,
+                 disk_path: str | None = None, disk_store: Any = None, bucket_mb: float = 64,
+                 step_in_backward: bool = False, timeout_s: float = 600.0,
+                 **optim_kwargs: Any) -> None:
+        if mode not in _MODES:
+            raise InvalidArgument("mode", f"{mode!r}; accepted: {'|'.join(_MODES)}")
+        if state_tier not in _TIERS:
+            raise InvalidArgument("state_tier", f"{state_tier!r}; accepted: {'|'.join(_TIERS)}")
+        if state_tier == "disk" and disk_path is None and disk_store is None:
+            raise InvalidArgument("disk_path", "state_tier='disk' needs disk_path or disk_store")
+        super().__init__(params, dict(optim_kwargs))
+        self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
+        self.step_in_backward = step_in_backward and mode == "cpu"
+        self.arena = arena if arena is not None else default_arena()
+        self.streams = StreamPair()
+        self._no_sync = False
+        self._kwargs = with_fused(optimizer_class, optim_kwargs)
+        self.buckets = self._make_buckets(optimizer_class, int(bucket_mb * MIB))
+        self._disk = disk_store if disk_store is not None or state_tier == "cpu" else \
+            self._open_disk(disk_path or "")
+        self.states = StateStore([b.layout.nbytes for b in self.buckets], self.arena, self._disk)
+        self._cast = [self._cast_buffer(b) for b in self.buckets]
+        self._init_masters()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-opt")
+        self.grads: GradientOffloader | None = None
+        if mode == "cpu":
+            self.grads = GradientOffloader(
+                [p for g in self.param_groups for p in g["params"] if p.requires_grad],
+                arena=self.arena,
+                accum_dtype=torch.float32 if master_weights else None, executor=self.executor,
+                on_ready=self._on_grads_ready, buckets=[b.params for b in self.buckets],
+                timeout_s=timeout_s)
+        self._out_events: list[Any] = [None] * len(self.buckets)
+
+    # ---- construction ----------------------------------------------------------------------
+    def _make_buckets(self, cls: type[torch.optim.Optimizer], nbytes: int) -> list[OptBucket]:
+        out: list[OptBucket] = []
+        keys_by_dtype: dict[torch.dtype, list[tuple[str, torch.dtype]]] = {}
+        for gi, group in enumerate(self.param_groups):
+            kwargs = {**self._kwargs, **{k: v for k, v in group.items() if k != "params"}}
+            for plist in make_buckets([p for p in group["params"] if p.requires_grad], nbytes):
+                mdt = self._master_dtype(plist[0])
+                sdt = mdt or plist[0].dtype
+                if sdt not in keys_by_dtype:
+                    keys_by_dtype[sdt] = state_keys(cls, kwargs, sdt)
+                dev = plist[0].device if self.mode == "gpu_stream" else torch.device("cpu")
+                out.append(OptBucket(len(out), gi, plist, master_dtype=mdt,
+                                     keys=keys_by_dtype[sdt], optimizer_class=cls,
+                                     kwargs=kwargs, compute_device=dev))
+        return out
+
+    def _master_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        if self.mode == "cpu":
+            return torch.float32 if self.master_weights else p.dtype
+        if self.master_weights and p.dtype != torch.float32:
+            return torch.float32
+        return None
+
+    def _open_disk(self, path: str) -> Any:
+        from kvtier.tiers.disk import DiskStore
+
+        need = sum(2 * b.layout.nbytes + (8 << 20) for b in self.buckets)
+        return DiskStore(path, need, direct_io=True, io_threads=2)
+
+    def _cast_buffer(self, b: OptBucket) -> torch.Tensor | None:
+        """cpu mode: a working-dtype host copy the H2D reads (when dtypes differ, or on disk)."""
+        if self.mode != "cpu" or (b.master_dtype == b.params[0].dtype
+                                  and not self.states.on_disk):
+            return None
+        layout = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
+        return get_buffer(self.arena, layout.nbytes)
+
+    @torch.no_grad()
+    def _init_masters(self) -> None:
+        for b in self.buckets:
+            blob = self.states.acquire(b.index)
+            if b.has_master:
+                for m, p in zip(b.layout.views(blob, "master"), b.params, strict=True):
+                    m.copy_(p)
+            self.states.release(b.index, dirty=True)
+        self.states.flush()
+
+    # ---- gradients -------------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients only (no early bucket steps)."""
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def _on_grads_ready(self, gb: GradBucket) -> None:
+        if self.step_in_backward and not self._no_sync:
+            b = self.buckets[gb.index]
+            if b.future is None:
+                b.future = self.executor.submit(self._cpu_step, b)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip all gradients by their total norm (wherever they are); returns the norm."""
+        if self.grads is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite)
+        if any(b.future is not None for b in self.buckets):
+            raise FailedPrecondition("bucket steps already started (step_in_backward): "
+                                     "gradients can no longer be clipped")
+        return self.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+        if self.grads is not None:
+            self.grads.zero()
+
+    # ---- step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.mode == "cpu":
+            self._step_cpu()
+        else:
+            self._step_gpu_stream()
+        return loss
+
+    def _hyper(self, b: OptBucket) -> dict[str, Any]:
+        return self.param_groups[b.group]
+
+    def _cpu_step(self, b: OptBucket) -> None:
+        """Worker thread: step bucket ``b`` on its host copy."""
+        assert self.grads is not None
+        gb = self.grads.buckets[b.index]
+        blob = self.states.acquire(b.index)
+        self.states.prefetch(b.index + 1)
+        views = b.views(blob)
+        grads = [g if ok else None for g, ok in zip(gb.grads, gb.present, strict=True)]
+        b.run(views["master"], grads, views, self._hyper(b))
+        cast = self._cast[b.index]
+        if cast is not None:
+            w = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
+            for dst, src in zip(w.views(cast, "w"), views["master"], strict=True):
+                dst.copy_(src)
+        self.states.release(b.index, dirty=True)
+
+    def _wait(self, b: OptBucket) -> None:
+        fut, b.future = b.future, None
+        try:
+            fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise DeadlineExceeded(f"optimizer bucket {b.index} step not done after "
+                                   f"{self.timeout_s}s") from None
+
+    def _step_cpu(self) -> None:
+        assert self.grads is not None
+        self.grads.flush()
+        for b in self.buckets:
+            if b.future is None:
+                b.future = self.executor.submit(self._cpu_step, b)
+        events = []
+        for b in self.buckets:
+            self._wait(b)
+            cast = self._cast[b.index]
+            if cast is not None:
+                w = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
+                srcs = w.views(cast, "w")
+            else:
+                srcs = b.layout.views(self.states.acquire(b.index), "master")
+            events.append(self.streams.copy_many("h2d", list(b.params), srcs))
+        for e in events:
+            StreamPair.wait_on_compute(e)
+        self.states.flush()
+        self.grads.zero()
+
+    def _stage_in(self, b: OptBucket, dev: torch.Tensor, after: list[Any]) -> tuple[Any, Any]:
+        blob = self.states.acquire(b.index)
+        n = b.layout.nbytes
+        return blob, self.streams.copy_many("h2d", [dev[:n]], [blob], after=after)
+
+    def _step_gpu_stream(self) -> None:
+        if not self.buckets:
+            return
+        device = self.buckets[0].params[0].device
+        size = max(b.layout.nbytes for b in self.buckets)
+        slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        staged: dict[int, tuple[Any, Any]] = {}
+        out: dict[int, Any] = {}
+        for i, b in enumerate(self.buckets):
+            for k in (i, i + 1):
+                if k < len(self.buckets) and k not in staged:
+                    self.states.prefetch(k)
+                    staged[k] = self._stage_in(self.buckets[k], slots[k % 2],
+                                               [out.get(k - 2), self._out_events[k]])
+            blob, ready = staged.pop(i)
+            StreamPair.wait_on_compute(ready)
+            out[i] = self._gpu_bucket_step(b, slots[i % 2][: b.layout.nbytes], blob)
+            if self.states.on_disk:
+                StreamPair.synchronize(out[i])
+                self.states.release(i, dirty=True)
+        self._out_events = [out[i] for i in range(len(self.buckets))]
+        self.states.flush()
+
+    def _gpu_bucket_step(self, b: OptBucket, dev: torch.Tensor, blob: torch.Tensor) -> Any:
+        """Step bucket ``b`` staged in ``dev``; start writing it back to ``blob``."""
+        views = b.views(dev)
+        targets = views["master"] if b.has_master else b.params
+        mdt = b.master_dtype
+        grads = [None if p.grad is None else p.grad.to(mdt) if mdt else p.grad
+                 for p in b.params]
+        b.run(targets, grads, views, self._hyper(b))
+        if b.has_master:
+            for p, m in zip(b.params, views["master"], strict=True):
+                p.copy_(m)
+        return self.streams.copy_many("d2h", [blob], [dev])
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _finish(self) -> None:
+        for b in self.buckets:
+            if b.future is not None:
+                self._wait(b)
+        StreamPair.synchronize(*self._out_events)
+        self.states.flush()
+
+    def _param_ids(self) -> dict[int, int]:
+        ids: dict[int, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                ids.setdefault(id(p), len(ids))
+        return ids
+
+    def state_dict(self) -> dict[str, Any]:
+        """Master weights, states and hyper-parameters, keyed by parameter position."""
+        self._finish()
+        pid, state = self._param_ids(), {}
+        for b in self.buckets:
+            views = b.views(self.states.acquire(b.index))
+            for j, p in enumerate(b.params):
+                st = b.scalars(j)
+                names = (["master"] if b.has_master else []) + (b.keys if b.has_state[j] else [])
+                st.update({k: views[k][j].clone() for k in names})
+                state[pid[id(p)]] = st
+            self.states.release(b.index, dirty=False)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [pid[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved; working weights are re-synced from the master."""
+        self._finish()
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise InvalidArgument("state_dict", "param_groups do not match this optimizer")
+        for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        pid, state = self._param_ids(), state_dict["state"]
+        for b in self.buckets:
+            views = b.views(self.states.acquire(b.index))
+            for j, p in enumerate(b.params):
+                st = state.get(pid[id(p)], {})
+                self._load_param(b, j, st, views)
+                if b.has_master:
+                    p.copy_(views["master"][j])
+            self.states.release(b.index, dirty=True)
+        self.states.flush()
+
+    def _load_param(self, b: OptBucket, j: int, st: dict[str, Any],
+                    views: dict[str, list[torch.Tensor]]) -> None:
+        if b.has_master and "master" in st:
+            views["master"][j].copy_(st["master"])
+        b.has_state[j] = all(k in st for k in b.keys) and bool(b.keys)
+        if b.has_state[j]:
+            for k in b.keys:
+                views[k][j].copy_(st[k])
+        b.load_scalars(j, {k: v for k, v in st.items() if k not in b.keys and k != "master"})
+
+    def close(self) -> None:
+        """Stop the worker, remove hooks and return host buffers to the arena."""
+        self._finish()
+        if self.grads is not None:
+            self.grads.close()
+        self.executor.shutdown(wait=True)
+        for cast in self._cast:
+            if cast is not None:
+                self.arena.put_buffer(cast)
+        self.states.close()
