@@ -108,14 +108,16 @@ class AsyncKVTierClient:
     async def stats(self) -> pb.StatsReply:
         return await self._do(ops.stats(self.tenant))
 
-    async def watch_events(self, att: Attachment | None = None) -> AsyncIterator[pb.Event]:
+    async def watch_events(self, att: Attachment | None = None, *,
+                           duration: float | None = None) -> AsyncIterator[pb.Event]:
         req = pb.WatchRequest(tenant=self.tenant, pool_id=att.pool_id if att else 0)
-        call = self._stub.WatchEvents(req, metadata=self._metadata)
+        call = self._stub.WatchEvents(req, timeout=duration, metadata=self._metadata)
         try:
             async for ev in call:
                 yield ev
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
+            ended = grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED
+            if err.code() not in ended:
                 raise from_rpc_error(err) from err
         finally:
             call.cancel()

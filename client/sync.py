@@ -120,14 +120,21 @@ class KVTierClient:
     def stats(self) -> pb.StatsReply:
         return self._do(ops.stats(self.tenant))
 
-    def watch_events(self, att: Attachment | None = None) -> Iterator[pb.Event]:
-        """Events of this tenant's pools (or one pool) until the caller stops iterating."""
+    def watch_events(self, att: Attachment | None = None, *,
+                     duration: float | None = None) -> Iterator[pb.Event]:
+        """Events of this tenant's pools (or one pool) until the caller stops iterating or
+        ``duration`` seconds pass (then the iterator simply ends)."""
         req = pb.WatchRequest(tenant=self.tenant, pool_id=att.pool_id if att else 0)
-        stream = self._stub.WatchEvents(req, metadata=self._metadata)
+        stream = self._stub.WatchEvents(req, timeout=duration, metadata=self._metadata)
+        return self._events(stream)  # the call starts now, not at the first next()
+
+    @staticmethod
+    def _events(stream: Any) -> Iterator[pb.Event]:
         try:
             yield from stream
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
+            ended = grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED
+            if err.code() not in ended:
                 raise from_rpc_error(err) from err
         finally:
             stream.cancel()

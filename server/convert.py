@@ -70,7 +70,7 @@ def stats_reply(s: EngineStats, version: str, instance: str) -> pb.StatsReply:
 
 
 def event(e: Any) -> pb.Event:
-    msg = pb.Event(kind=str(e.kind), pool_id=int(e.pool_id), page_id=int(e.page_id))
+    msg = pb.Event(kind=str(e.kind), pool_id=int(e.pool_id or 0), page_id=int(e.page_id))
     if e.src is not None:
         msg.src = tier(e.src)
     if e.dst is not None:

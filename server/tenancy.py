@@ -54,6 +54,6 @@ class Tenancy:
 
     def sees(self, tenant: str, pool_filter: int, event: Any) -> bool:
         """Whether a subscriber of ``tenant`` (0 = all its pools) may see ``event``."""
-        if pool_filter and event.pool_id != pool_filter:
+        if event.pool_id is None or (pool_filter and event.pool_id != pool_filter):
             return False
         return self.owner(event.pool_id) == tenant
