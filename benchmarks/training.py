@@ -195,8 +195,10 @@ def search(variant: str, a: argparse.Namespace, arena: Any) -> Result:
 def markdown(results: list[Result], checks: dict[str, Any]) -> str:
     rows = ["| variant | layers | ok | step s | peak GiB | activation peak GiB | note |",
             "|---|---|---|---|---|---|---|"]
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
     for r in results:
-        f = (lambda v: "-" if v is None else f"{v:.3f}")
         rows.append(f"| {r.variant} | {r.layers} | {r.ok} | {f(r.step_s)} | {f(r.peak_gib)} | "
                     f"{f(r.act_peak_gib)} | {r.note} |")
     rows += ["", "| check | value |", "|---|---|"]
@@ -208,7 +210,8 @@ def checks_of(res: dict[str, Result], searched: dict[str, Result]) -> dict[str, 
     out: dict[str, Any] = {}
     base, act, soc = res.get("no_offload"), res.get("kvtier_act"), res.get("save_on_cpu")
     if base and act and base.ok and act.ok and base.act_peak_gib and base.step_s:
-        out["act_offload_activation_peak_reduction"] = 1 - (act.act_peak_gib or 0) / base.act_peak_gib
+        out["act_offload_activation_peak_reduction"] = (
+            1 - (act.act_peak_gib or 0) / base.act_peak_gib)
         out["act_offload_peak_reduction"] = 1 - (act.peak_gib or 0) / (base.peak_gib or 1)
         out["act_offload_step_overhead"] = (act.step_s or 0) / base.step_s - 1
     if act and soc and act.ok and soc.ok and soc.step_s:
