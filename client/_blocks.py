@@ -1,0 +1,73 @@
+"""Content keys for blocks of tokens: chained hashes shared by the integrations.
+
+Primitives:
+
+- :func:`chain_keys` — one 16-byte key per *full* block of ``block_size`` token ids; key
+  ``i`` hashes key ``i-1`` with block ``i``'s ids, so equal keys imply equal prefixes. A
+  trailing partial block gets no key (it is recomputed by the engine, never stored).
+- :func:`rekey` — turn hashes an engine already computes (vLLM's block hashes) into keys of the
+  same width and namespace, without re-hashing the tokens.
+- :func:`namespace` — a short digest of what the bytes of a page depend on besides the
+  tokens (model, dtype, KV layout, block size); mixed into the first key so two layouts can
+  never share a page.
+
+The daemon salts every key per tenant; these keys only need to be stable and collision-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+KEY_BYTES = 16
+_ROOT = b"kvtier-blocks-v1"
+
+
+def namespace(*parts: object) -> bytes:
+    """A 16-byte digest of ``parts`` (their ``repr``); order matters."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-ns")
+    for part in parts:
+        h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.digest()
+
+
+def _step(parent: bytes, payload: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-blk")
+    h.update(parent)
+    h.update(payload)
+    return h.digest()
+
+
+def _ids_bytes(ids: Iterable[int]) -> bytes:
+    return b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids)
+
+
+def chain_keys(
+    tokens: Sequence[int], block_size: int, *, ns: bytes = b"", start: int = 0
+) -> list[bytes]:
+    """Keys of the full blocks of ``tokens``, leaving out the first ``start`` keys.
+
+    ``block_size`` must be positive. ``len(result) == len(tokens) // block_size - start``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    parent = _step(_ROOT, ns)
+    keys: list[bytes] = []
+    for b in range(len(tokens) // block_size):
+        parent = _step(parent, _ids_bytes(tokens[b * block_size : (b + 1) * block_size]))
+        if b >= start:
+            keys.append(parent)
+    return keys
+
+
+def rekey(hashes: Iterable[bytes | int], *, ns: bytes = b"") -> list[bytes]:
+    """Map an engine's own chained block hashes to ``KEY_BYTES`` keys in namespace ``ns``.
+
+    The engine's hashes already chain (each depends on its whole prefix), so each maps on its own.
+    """
+    out: list[bytes] = []
+    for h in hashes:
+        raw = h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True)
+        out.append(_step(ns, raw))
+    return out

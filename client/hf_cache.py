@@ -1,0 +1,219 @@
+"""Multi-turn prefix reuse for transformers generation, backed by kvtier.
+
+``ConversationStore(target, model_config=..., dtype=..., device=...)`` binds an in-process
+:class:`kvtier.TierEngine` (with ``tenant=``) or a daemon :class:`kvtier.client.KVTierClient`:
+
+- ``restore(token_ids) -> KVTierCache``: a ``DynamicCache`` pre-filled with the KV of the longest
+  stored prefix of ``token_ids`` (whole blocks, always leaving at least one token to compute, so
+  ``generate`` only prefills the rest). ``cache.restored_tokens`` says how many; a load that ends
+  early (dropped or corrupt block) just restores fewer tokens: never wrong KV.
+- ``save(cache, token_ids) -> int``: after a turn, store the full blocks of ``token_ids`` whose KV
+  the cache holds and kvtier lacks; returns how many blocks it stored.
+
+A page is one block of ``block_size`` tokens' KV across all layers, laid out
+``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and padded to 4 KiB. Keys are
+chained hashes of token ids in a namespace of the model layout (see ``_blocks``); kvtier salts
+them per tenant. Batch size 1 (one conversation per cache); full-attention layers only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvtier.types import Tier
+
+from ._backend import Backend, Staging, as_backend, round_page
+from ._blocks import chain_keys, namespace
+
+
+class KVTierCache(DynamicCache):
+    """A ``DynamicCache`` that records what it got from kvtier."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.restored_tokens = 0
+        self.restored_tiers: Counter[Tier] = Counter()
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one page: ``layers x 2 x kv_heads x block_size x head_dim`` of ``dtype``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
+        get_text = getattr(config, "get_text_config", None)
+        text = get_text(decoder=True) if get_text else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+
+    @property
+    def raw_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.layers * 2 * self.kv_heads * self.block_size * self.head_dim * elem
+
+    def pack(self, kv: torch.Tensor) -> torch.Tensor:
+        """``[L, 2, H, n*bs, D]`` → ``[n, raw_bytes]`` uint8 (one row per block)."""
+        L, two, H, T, D = kv.shape
+        n = T // self.block_size
+        blocks = kv.reshape(L, two, H, n, self.block_size, D).permute(3, 0, 1, 2, 4, 5)
+        return blocks.contiguous().view(torch.uint8).reshape(n, self.raw_bytes)
+
+    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`pack`: ``[n, raw_bytes]`` uint8 → ``[L, 2, H, n*bs, D]``."""
+        n = rows.shape[0]
+        shape = (n, self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+        blocks = rows.contiguous().view(self.dtype).reshape(shape)
+        return blocks.permute(1, 2, 3, 0, 4, 5).reshape(
+            self.layers, 2, self.kv_heads, n * self.block_size, self.head_dim)
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """What a :class:`ConversationStore` did (plain numbers, for tests and benchmarks)."""
+
+    stored_blocks: int = 0
+    restored_tokens: int = 0
+    restored_from: Counter[Tier] = field(default_factory=Counter)
+
+
+class ConversationStore:
+    """Saves and restores a conversation's KV by token prefix. Not thread-safe (one per thread)."""
+
+    def __init__(self, target: Any, *, model_config: Any, dtype: torch.dtype,
+                 device: torch.device | str, tenant: str | None = None, block_size: int = 256,
+                 staging_slots: int = 32, model_id: str = "") -> None:
+        self.backend: Backend = as_backend(target, tenant)
+        self.layout = KVLayout.of(model_config, block_size, dtype)
+        self.device = torch.device(device)
+        self.model_config = model_config
+        self.ns = namespace("hf", model_id, self.layout)
+        self.counters = StoreCounters()
+        page = round_page(self.layout.raw_bytes)
+        self._staging: Staging = self.backend.attach(staging_slots, page)
+
+    def close(self) -> None:
+        """Detach the staging pool (stored blocks stay in kvtier)."""
+        self.backend.detach(self._staging.handle)
+
+    def __enter__(self) -> ConversationStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- restore --------------------------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` :meth:`restore` would restore now."""
+        return len(self._lookup(self._restorable_keys(token_ids))) * self.layout.block_size
+
+    def restore(self, token_ids: Sequence[int]) -> KVTierCache:
+        """A cache holding the KV of the longest stored prefix (possibly empty)."""
+        cache = KVTierCache(config=self.model_config)
+        keys = self._restorable_keys(token_ids)
+        tiers = self._lookup(keys)
+        parts: list[torch.Tensor] = []
+        step = self._staging.num_slots
+        for i in range(0, len(tiers), step):
+            rows = self._load(keys[i : i + step])
+            if rows is None:
+                break
+            parts.append(self.layout.unpack(rows.to(self.device)))
+            cache.restored_tiers.update(tiers[i : i + rows.shape[0]])
+            if rows.shape[0] < len(keys[i : i + step]):
+                break
+        if parts:
+            kv = torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]
+            for layer in range(self.layout.layers):
+                cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
+            cache.restored_tokens = kv.shape[3]
+        self.counters.restored_tokens += cache.restored_tokens
+        self.counters.restored_from.update(cache.restored_tiers)
+        return cache
+
+    def _restorable_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        n = max(0, (len(token_ids) - 1) // self.layout.block_size) * self.layout.block_size
+        return chain_keys(list(token_ids[:n]), self.layout.block_size, ns=self.ns)
+
+    def _lookup(self, keys: list[bytes]) -> list[Tier]:
+        return self.backend.lookup(keys) if keys else []
+
+    def _load(self, keys: list[bytes]) -> torch.Tensor | None:
+        """Bytes of the leading loadable blocks of ``keys`` (``[n, raw]``), or None if none."""
+        st, b = self._staging, self.backend
+        pages = b.allocate(st.handle, len(keys))
+        if pages is None:
+            return None
+        ids, slots = [p for p, _ in pages], [s for _, s in pages]
+        try:
+            got = b.load(st.handle, keys, slots)
+            if got == 0:
+                return None
+            idx = torch.tensor(slots[:got], device=st.rows.device)
+            return st.rows.index_select(0, idx)[:, : self.layout.raw_bytes]
+        finally:
+            b.release(st.handle, ids)
+            b.free(st.handle, ids)
+
+    # --- save -----------------------------------------------------------------------------------
+    def save(self, cache: DynamicCache, token_ids: Sequence[int]) -> int:
+        """Store the full blocks of ``token_ids`` that ``cache`` holds and kvtier lacks."""
+        held = min(len(token_ids), cache.get_seq_length())
+        bs = self.layout.block_size
+        keys = chain_keys(list(token_ids[: held // bs * bs]), bs, ns=self.ns)
+        start = len(self._lookup(keys))
+        if start == len(keys):
+            return 0
+        kv = self._gather(cache, start * bs, len(keys) * bs)
+        rows = self.layout.pack(kv)
+        stored, step = 0, self._staging.num_slots
+        for i in range(0, rows.shape[0], step):
+            n = self._store(keys[start + i : start + i + step], rows[i : i + step])
+            stored += n
+            if n < min(step, rows.shape[0] - i):
+                break
+        self.counters.stored_blocks += stored
+        return stored
+
+    def _gather(self, cache: DynamicCache, begin: int, end: int) -> torch.Tensor:
+        layers: list[Any] = list(cache.layers)
+        if len(layers) != self.layout.layers:
+            raise ValueError(f"cache has {len(layers)} layers, the model {self.layout.layers}")
+        if layers[0].keys.shape[0] != 1:
+            raise ValueError("ConversationStore handles batch size 1 only")
+        return torch.stack([
+            torch.stack([lay.keys[0, :, begin:end], lay.values[0, :, begin:end]])
+            for lay in layers
+        ]).to(self.layout.dtype)
+
+    def _store(self, keys: list[bytes], rows: torch.Tensor) -> int:
+        st, b = self._staging, self.backend
+        pages = b.allocate(st.handle, len(keys))
+        if pages is None:
+            return 0
+        ids, slots = [p for p, _ in pages], [s for _, s in pages]
+        try:
+            dst = st.rows
+            idx = torch.tensor(slots, device=dst.device)
+            padded = torch.zeros(len(keys), st.page_size, dtype=torch.uint8, device=dst.device)
+            padded[:, : rows.shape[1]] = rows.to(dst.device)
+            dst.index_copy_(0, idx, padded)
+            if dst.is_cuda:
+                torch.cuda.synchronize(dst.device)
+            return b.store(st.handle, keys, slots)
+        finally:
+            b.release(st.handle, ids)
+            b.free(st.handle, ids)
