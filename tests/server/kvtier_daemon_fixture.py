@@ -81,7 +81,10 @@ def start(tmp: Path, *, disk: Path | None = None, env: dict[str, str] | None = N
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
                                 env=env or daemon_env())
-    d = Daemon(proc, f"unix://{tmp}/k.sock", port, disk, log, argv)
+    address = argv[argv.index("--listen") + 1]
+    if args:
+        port = int(argv[argv.index("--metrics-addr") + 1].rpartition(":")[2])
+    d = Daemon(proc, address, port, disk, log, argv)
     wait_serving(d)
     return d
 
