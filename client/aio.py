@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 from . import ops
 from .attachment import Attachment, from_reply
-from .errors import from_rpc_error
+from .errors import Unavailable, from_rpc_error
 from .options import channel_options, default_address, metadata
 
 
@@ -34,6 +35,13 @@ class AsyncKVTierClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the daemon accepts connections (e.g. after a restart), else Unavailable."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout or self.timeout)
+        except TimeoutError:
+            raise Unavailable(f"daemon at {self.address} not reachable") from None
 
     def _ref(self, att: Attachment) -> pb.PoolRef:
         return pb.PoolRef(tenant=self.tenant, pool_id=att.pool_id, instance=att.instance)

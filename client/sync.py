@@ -20,7 +20,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 from . import ops
 from .attachment import Attachment, from_reply
-from .errors import from_rpc_error
+from .errors import Unavailable, from_rpc_error
 from .options import channel_options, metadata
 
 CapacityShortfall = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -42,6 +42,13 @@ class KVTierClient:
 
     def close(self) -> None:
         self._channel.close()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the daemon accepts connections (e.g. after a restart), else Unavailable."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout or self.timeout)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"daemon at {self.address} not reachable") from None
 
     def _ref(self, att: Attachment) -> pb.PoolRef:
         return pb.PoolRef(tenant=self.tenant, pool_id=att.pool_id, instance=att.instance)

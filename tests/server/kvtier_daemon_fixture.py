@@ -13,7 +13,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvtier.client import KVTierClient
 
 PAGE = 64 * 1024

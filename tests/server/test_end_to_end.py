@@ -1,13 +1,13 @@
-"""Two engines (two tenants) on one real daemon: pressure moves pages down, Acquire restores them."""
+"""Two engines (two tenants) on one real daemon: pressure moves pages down, Acquire restores."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+from kvtier.client import Attachment, KVTierClient
 from kvtier_daemon_fixture import Daemon
 
-from kvtier.client import Attachment, KVTierClient
 from kvtier.errors import NotFound
 from kvtier.types import Tier
 
@@ -44,8 +44,8 @@ def test_two_tenants_survive_pressure(daemon: Daemon) -> None:
     with daemon.client("alpha") as a, daemon.client("beta") as b:
         pa, pb = a.attach(8), b.attach(8)
         assert pa.tensor is not None and tuple(pa.tensor.shape) == (8, pa.page_size)
-        wa = {}
-        wb = {}
+        wa: dict[int, int] = {}
+        wb: dict[int, int] = {}
         for i in range(3):  # 24 pages per 8-slot pool: evictions to CPU, then to disk
             wa |= fill(a, pa, 8, salt=i)
             wb |= fill(b, pb, 8, salt=100 + i)
@@ -92,7 +92,7 @@ def test_store_lookup_load_is_per_tenant(daemon: Daemon) -> None:
         keys = [b"block-0", b"block-1"]
         assert a.store(pa, keys, [s for _, s in got]) == 2
         a.release(pa, [p for p, _ in got])
-        assert len(a.lookup(keys + [b"missing"])) == 2
+        assert len(a.lookup([*keys, b"missing"])) == 2
         assert all(isinstance(t, Tier) for t in a.lookup(keys))
         assert b.lookup(keys) == []  # another tenant never sees them: a miss, not an error
         a.free(pa, [p for p, _ in got])

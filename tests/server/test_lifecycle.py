@@ -1,4 +1,4 @@
-"""Daemon lifecycle: drain on SIGTERM, restart after kill -9, reflection, health, metrics, TCP auth."""
+"""Lifecycle: drain on SIGTERM, restart after kill -9, reflection, health, metrics, TCP auth."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from kvtier_daemon_fixture import Daemon, daemon_env, free_port, health_status, serve_args, start
-
 from kvtier.client import KVTierClient, Unauthenticated
+from kvtier_daemon_fixture import Daemon, daemon_env, free_port, health_status, serve_args
+
 from kvtier.metrics import METRIC_NAMES
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
@@ -36,7 +36,7 @@ def test_sigterm_drains_and_exits_zero(spawn: Callable[..., Daemon]) -> None:
         for _ in range(200):
             try:
                 c.stats()
-            except Exception as exc:  # noqa: BLE001 - recorded
+            except Exception as exc:
                 results.append(type(exc).__name__)
                 return
 
@@ -118,7 +118,7 @@ def test_tcp_requires_the_token(spawn: Callable[..., Daemon], tmp_path: Path) ->
     args = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())
     args[args.index("--listen") + 1] = f"127.0.0.1:{port}"
     args += ["--token-file", str(token_file)]
-    d = spawn(args=args)
+    spawn(args=args)
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
         with pytest.raises(grpc.RpcError) as err:

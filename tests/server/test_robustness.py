@@ -58,7 +58,7 @@ BIG = st.integers(min_value=10_000, max_value=2**62)
 NEG = st.integers(min_value=-(2**62), max_value=-1)
 
 
-def bad_request(draw: Callable[..., Any], w: World) -> tuple[str, Any, S]:
+def bad_request(draw: Callable[..., Any], w: World) -> tuple[str, Any, grpc.StatusCode]:
     """(method, request, expected status) for one malformed or hostile call."""
     kind = draw(st.sampled_from([
         "unknown_pool", "negative_pool", "empty_tenant", "wrong_tenant", "detached_pool",
@@ -163,11 +163,12 @@ def test_concurrent_clients_account_pages_exactly(daemon: Daemon) -> None:
                         del live[:2]
                 for page in live[-3:]:
                     slot = c.acquire(att, [page])
-                    assert slot is not None and bool((att.tensor[slot[0]] == (page + i) % 251).all())
+                    assert slot is not None
+                    assert bool((att.tensor[slot[0]] == (page + i) % 251).all())
                     c.release(att, [page])
                 with lock:
                     kept[i] = len(live)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     base = sum(t.pages for t in daemon.client("x").stats().tiers)
