@@ -15,14 +15,13 @@ def tier(t: Tier | int) -> pb.Tier:
     return cast(pb.Tier, int(t))  # kvtier.v1.Tier values equal kvtier.types.Tier values
 
 
-def attach_reply(pool: Any, instance: str) -> pb.AttachReply:
-    h = pool.handle()
-    handle = pb.PoolHandle(
-        kind=_HANDLE_KINDS.get(h.kind, pb.HANDLE_KIND_UNSPECIFIED),
-        device=h.device,
-        shm_path=h.shm_path,
-        ipc=h.ipc,
-    )
+def attach_reply(pool: Any, instance: str, *, registered: bool = False) -> pb.AttachReply:
+    """A registered pool's memory belongs to the engine that sent it: no handle goes back."""
+    handle = pb.PoolHandle()
+    if not registered:
+        h = pool.handle()
+        handle = pb.PoolHandle(kind=_HANDLE_KINDS.get(h.kind, pb.HANDLE_KIND_UNSPECIFIED),
+                               device=h.device, shm_path=h.shm_path, ipc=h.ipc)
     return pb.AttachReply(
         pool_id=int(pool.pool_id),
         page_size=int(pool.page_size),

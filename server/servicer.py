@@ -77,7 +77,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             prio = validate.default_priority(req.default_priority)
             views = open_segments(req.segments, self._device)
             pool = self._engine.register(tenant, views, default_priority=prio)
-            return convert.attach_reply(pool, self._tenancy.instance)
+            return convert.attach_reply(pool, self._tenancy.instance, registered=True)
 
         return await self._run(ctx, call)
 
