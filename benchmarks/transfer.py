@@ -40,7 +40,7 @@ def timed(fn, device: torch.device) -> float:
 def raw_copies(nbytes: int, page: int, device: torch.device) -> dict[str, float]:
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    host2 = torch.empty_like(host)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     gpu2 = torch.empty_like(gpu)
     out = {}
     for _ in range(2):  # warm-up, then measure
@@ -69,16 +69,11 @@ def raw_copies(nbytes: int, page: int, device: torch.device) -> dict[str, float]
 
 
 def wait_state(engine: TierEngine, pool_id, ids, state: PageState) -> None:
-    deadline = time.monotonic() + 120
-    last = ids[-1]
-    while engine.page_info(pool_id, last).state is not state or any(
-        engine.page_info(pool_id, p).state is not state for p in ids[:: max(1, len(ids) // 64)]
-    ):
-        if time.monotonic() > deadline:
-            raise TimeoutError("pages never settled")
-        time.sleep(0.0002)
-    while any(engine.page_info(pool_id, p).state is not state for p in ids):
-        time.sleep(0.0002)
+    """Wait for the engine to go idle, then check every page landed in ``state``."""
+    if not engine.wait_idle(120):
+        raise TimeoutError("transfers never drained")
+    bad = [p for p in ids if engine.page_info(pool_id, p).state is not state]
+    assert not bad, f"{len(bad)} pages not in {state}"
 
 
 def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float]:
@@ -96,6 +91,10 @@ def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float
         seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, device=seg.device))
         engine.release(pool.pool_id, ids)
         a, b = ids[0::2], ids[1::2]  # scattered: every other slot
+        engine.offload(pool.pool_id, ids[: n // 2] + ids[-n // 2 :])  # warm-up: pins host chunks once
+        wait_state(engine, pool.pool_id, ids[:1], PageState.CPU)
+        engine.acquire(pool.pool_id, ids)
+        engine.release(pool.pool_id, ids)
         sample = {p: seg[engine.page_info(pool.pool_id, p).slot].clone() for p in a[:: max(1, n // 16)]}
         moved = engine.stats().counters.moved
         out: dict[str, float] = {}

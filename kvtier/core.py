@@ -32,7 +32,7 @@ from kvtier.tiers.base import DiskRecord
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer import build_handlers
 from kvtier.transfer.base import Move
-from kvtier.types import Direction, PageState, PoolId, Tier
+from kvtier.types import Direction, PageId, PageState, PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
@@ -67,7 +67,7 @@ class EngineCore:
         create_policy(config.policy)  # fail at start on an unknown name
         self.cpu_policy: dict[int, EvictionPolicy] = {}
         self.disk_policy: dict[int, EvictionPolicy] = {}
-        self.cpu_protected: set = set()  # keyed pages pinned by a load in progress
+        self.cpu_protected: dict[PageId, int] = {}  # pages a restore or load needs kept in CPU
         self.admission = create_admission(config.disk_admission)
         self.closed = False
         handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
@@ -90,6 +90,18 @@ class EngineCore:
                         Tier.DISK, slot, key=record.key)
             self.table.add(page)
             self.settle(page, Tier.DISK, slot)
+
+    def protect(self, ids: Iterable[PageId]) -> None:
+        for pid in ids:
+            self.cpu_protected[pid] = self.cpu_protected.get(pid, 0) + 1
+
+    def unprotect(self, ids: Iterable[PageId]) -> None:
+        for pid in ids:
+            left = self.cpu_protected.get(pid, 0) - 1
+            if left > 0:
+                self.cpu_protected[pid] = left
+            else:
+                self.cpu_protected.pop(pid, None)
 
     # -- policies per tier ----------------------------------------------------------------------
     def new_policy(self) -> EvictionPolicy:
@@ -244,15 +256,17 @@ class EngineCore:
         return len(slots)
 
     def restore_disk(self, pages: list[Page]) -> int:
-        """Queue disk->CPU (the first leg of a disk restore)."""
-        started = 0
+        """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
+        by_size: dict[int, list[Page]] = {}
         for page in pages:
-            slots = self.cpu_slots(page.page_size, 1)
-            if not slots:
-                break
-            self.start(page, Direction.DISK_TO_CPU, slots[0], urgent=True)
-            started += 1
-        return started
+            by_size.setdefault(page.page_size, []).append(page)
+        moves: list[Move] = []
+        for size, group in by_size.items():
+            slots = self.cpu_slots(size, len(group))
+            moves += [self.start(page, Direction.DISK_TO_CPU, slot, urgent=True, submit=False)
+                      for page, slot in zip(group, slots, strict=False)]
+        self.scheduler.submit(moves)
+        return len(moves)
 
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:

@@ -186,27 +186,36 @@ class TierEngine:
             pool = self._pool(pool_id)
             pages = [core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)]
             unique = list(dict.fromkeys(pages))
-            others = sum(1 for pid in pool.pinned if core.table.pages[pid] not in unique)
+            wanted = {p.page_id for p in unique}
+            others = sum(1 for pid in pool.pinned if pid not in wanted)
             if len(unique) > pool.num_slots - others:
                 return None
-            held: list[Page] = []
+            held: set[PageId] = set()
             restored = False
+            core.protect(wanted)  # the CPU cascade must not push these back down meanwhile
             try:
                 while True:
                     self._check_lost(unique)
                     for page in unique:
-                        if page.state is PageState.GPU and page not in held:
+                        if page.state is PageState.GPU and page.page_id not in held:
                             self._pin(pool, page)
-                            held.append(page)
+                            held.add(page.page_id)
                     if len(held) == len(unique):
                         break
-                    restored |= self._bring_up(pool, [p for p in unique if p not in held], unique)
+                    todo = [p for p in unique if p.page_id not in held]
+                    if any(not p.moving for p in todo):
+                        restored |= self._bring_up(pool, todo, wanted)
+                    else:
+                        restored = True
                     if not self._wait(deadline):
                         raise DeadlineExceeded(f"acquire of {len(unique)} pages timed out")
             except BaseException:
-                for page in held:
-                    self._unpin(pool, page)
+                for page in unique:
+                    if page.page_id in held:
+                        self._unpin(pool, page)
                 raise
+            finally:
+                core.unprotect(wanted)
             for page in unique:
                 page.hits += 1
                 pool.policy.touch(page.page_id)
@@ -216,7 +225,7 @@ class TierEngine:
                 del core.counters.restore_latencies[:-4096]
             return [SlotIndex(p.slot) for p in pages]
 
-    def _bring_up(self, pool: Pool, pages: list[Page], unique: list[Page]) -> bool:
+    def _bring_up(self, pool: Pool, pages: list[Page], wanted: set[PageId]) -> bool:
         """Start whatever moves bring ``pages`` closer to the GPU; True if any restore began."""
         core = self._core
         for page in pages:
@@ -226,7 +235,7 @@ class TierEngine:
         on_disk = [p for p in pages if p.state is PageState.DISK]
         short = len(on_cpu) - pool.dev.num_free
         if short > 0:
-            self._make_room(pool, short, {p.page_id for p in unique})
+            self._make_room(pool, short, wanted)
         began = core.restore_cpu(pool, on_cpu) + core.restore_disk(on_disk)
         for page in on_cpu + on_disk:
             core.counters.hits[page.tier] += int(page.moving)
@@ -245,6 +254,17 @@ class TierEngine:
         for page in pages:  # evict() stopped tracking them; settle bookkeeping expects them
             pool.policy.insert(page.meta())
         self._core.counters.evictions[Tier.GPU] += self._core.offload(pages, urgent=True)
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until no transfer is queued or in flight (True), or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        with self._core.cond:
+            while True:
+                if self._core.scheduler.depth() == (0, 0) and self._core.scheduler.inflight_bytes == 0:
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                self._core.cond.wait(0.01)
 
     def _check_lost(self, pages: list[Page]) -> None:
         lost = [p.page_id for p in pages if p.state is PageState.DROPPED]

@@ -75,6 +75,8 @@ class EventHub:
                 self._subs.remove(sub)
 
     def publish(self, event: Event) -> None:
+        if not self._subs:  # the common case: nobody watching costs one check
+            return
         with self._lock:
             subs = list(self._subs)
         for sub in subs:

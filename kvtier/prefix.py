@@ -112,21 +112,20 @@ class PrefixStore:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
             pages = self._resident_prefix(pool, keys)
+            core.protect(p.page_id for p in pages)
             for page in pages:
                 page.pins += 1
-                core.cpu_protected.add(page.page_id)
             try:
                 moves = [Move(Direction.CPU_TO_GPU, pool.page_size, p.slot, s, page=p,
                               pool=pool.dev, copy=True, urgent=True) for p, s in zip(pages, slots, strict=False)]
                 core.scheduler.submit(moves)
                 self._wait(moves)
             finally:
+                core.unprotect(p.page_id for p in pages)
                 for page in pages:
                     page.pins -= 1
-                    if page.pins == 0:
-                        core.cpu_protected.discard(page.page_id)
-                        core.policy_of(page).touch(page.page_id)
-                        page.hits += 1
+                    core.policy_of(page).touch(page.page_id)
+                    page.hits += 1
             loaded = 0
             for move in moves:
                 if not move.result:

@@ -43,6 +43,10 @@ class _Lane:
         self.offloads: deque[Move] = deque()
         self.thread: threading.Thread | None = None
 
+    def peek_bytes(self, batch_bytes: int) -> int:
+        queue = self.restores if self.restores else self.offloads
+        return min(batch_bytes, queue[0].nbytes * len(queue)) if queue else 0
+
     def take(self, batch_bytes: int) -> list[Move]:
         queue = self.restores if self.restores else self.offloads
         batch = [queue.popleft()]
@@ -123,19 +127,22 @@ class TransferScheduler:
     def _loop(self, lane: _Lane) -> None:
         while True:
             with self._cond:
-                while not self._closed and not (lane.restores or lane.offloads):
+                while not self._closed and not self._ready(lane):
                     self._cond.wait()
                 if self._closed:
                     return
                 batch = lane.take(self._batch_bytes)
                 nbytes = sum(m.nbytes for m in batch)
-                while self._inflight and self._inflight + nbytes > self._max_inflight:
-                    self._cond.wait()
                 self._inflight += nbytes
             self._run(batch)
             with self._cond:
                 self._inflight -= nbytes
                 self._cond.notify_all()
+
+    def _ready(self, lane: _Lane) -> bool:
+        """Work is queued and the in-flight bound leaves room for its next batch."""
+        want = lane.peek_bytes(self._batch_bytes)
+        return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
 
     def _run(self, batch: list[Move]) -> None:
         handler = self._handlers[batch[0].direction]

@@ -315,9 +315,10 @@ class HostArena:
         return chunk_no
 
     def _maybe_release(self, slab: _Slab, chunk_no: int) -> None:
-        spares = [c for c, rs in slab.free.items() if rs.total == slab.per_chunk and c != chunk_no]
-        if spares:
-            self._release(slab, chunk_no)
+        # Empty chunks stay mapped and pinned: pinning (and unpinning, which can stall the
+        # device) costs far more than the copies it serves. ``_make_room`` unmaps spare chunks
+        # only when another page size or a pooled buffer needs the budget.
+        return
 
     def _release(self, slab: _Slab, chunk_no: int) -> None:
         m = slab.chunks.pop(chunk_no)

@@ -181,3 +181,23 @@ def test_offload_hint_and_prefetch(make_engine):
     engine.acquire(pool.pool_id, ids[:1])  # waits for the in-flight offload or cancels it
     engine.release(pool.pool_id, ids[:1])
     assert engine.prefetch(pool.pool_id, ids) >= 0
+
+
+def test_acquire_a_whole_pool_spread_over_cpu_and_disk(make_engine):
+    """Restoring disk pages must not push the other requested CPU pages back down (no livelock)."""
+    engine = make_engine(cpu_memory_gb=16 * PAGE / 2**30, disk_admission="always", restore_timeout_s=20)
+    pool = engine.attach("t", 8)
+    expected = {}
+    for round_ in range(6):
+        got = engine.allocate(pool.pool_id, 8)
+        for pid, slot in got:
+            pool.segments[0][slot].fill_(pid % 251)
+            expected[pid] = pid % 251
+        engine.release(pool.pool_id, [p for p, _ in got])
+    assert {engine.page_info(pool.pool_id, p).tier for p in expected} >= {Tier.CPU, Tier.DISK}
+    ids = list(expected)
+    for i in range(0, len(ids), 8):
+        slots = engine.acquire(pool.pool_id, ids[i : i + 8])
+        for pid, slot in zip(ids[i : i + 8], slots, strict=True):
+            assert int(pool.segments[0][slot].min()) == int(pool.segments[0][slot].max()) == expected[pid]
+        engine.release(pool.pool_id, ids[i : i + 8])
