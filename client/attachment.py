@@ -43,15 +43,15 @@ def from_reply(reply: pb.AttachReply, tenant: str, request: Any, *, register: bo
 
 
 def map_pool(h: pb.PoolHandle, num_slots: int, page_size: int) -> torch.Tensor:
-    nbytes = num_slots * page_size
-    if h.kind == pb.HANDLE_KIND_SHM:
-        flat = ipc.map_shm(h.shm_path, nbytes, root=None)
-    elif h.kind == pb.HANDLE_KIND_CUDA_IPC:
-        storage = ipc.decode_cuda(h.ipc, trusted=True)  # bytes from the daemon we connected to
-        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    else:
+    """Map a daemon pool with the tier's own opener (CUDA IPC or /dev/shm)."""
+    from kvtier.tiers.base import PoolHandle
+    from kvtier.tiers.device import open_handle
+
+    kinds = {pb.HANDLE_KIND_SHM: "shm", pb.HANDLE_KIND_CUDA_IPC: "cuda_ipc"}
+    if h.kind not in kinds:
         raise ValueError(f"unknown pool handle kind {h.kind}")
-    return flat[:nbytes].view(num_slots, page_size)
+    return open_handle(PoolHandle(kinds[h.kind], num_slots, page_size, h.device, h.shm_path,
+                                  h.ipc))
 
 
 def segment(t: torch.Tensor, shm_path: str = "") -> pb.Segment:

@@ -1,8 +1,10 @@
 """Mapping pool memory shared between the daemon and an engine process.
 
-Two ways: a ``/dev/shm`` file mapped shared (CPU mode) and a CUDA IPC storage handle (GPU mode).
-CUDA handles travel in a small self-describing format (``KVIPC1`` + JSON) instead of pickle, so a
-daemon never unpickles bytes sent by a client. Handles are capabilities: never log them.
+Used for Register (engine-owned memory sent to the daemon): a ``/dev/shm`` file mapped shared
+(CPU mode) or a CUDA IPC storage handle (GPU mode). CUDA handles travel in a small self-describing
+format (``KVIPC1`` + JSON) instead of pickle, so the daemon never unpickles bytes sent by a client.
+Daemon pools (Attach) are mapped with ``kvtier.tiers.device.open_handle``. Handles are
+capabilities: never log them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -35,16 +36,10 @@ def encode_cuda(storage: torch.UntypedStorage) -> bytes:
     return MAGIC + json.dumps(doc).encode()
 
 
-def decode_cuda(blob: bytes, *, trusted: bool = False) -> torch.UntypedStorage:
-    """Open a CUDA storage from :func:`encode_cuda` bytes.
-
-    ``trusted`` also accepts a pickled handle (only for bytes that came from the daemon).
-    """
+def decode_cuda(blob: bytes) -> torch.UntypedStorage:
+    """Open a CUDA storage from :func:`encode_cuda` bytes (never unpickles anything)."""
     if not blob.startswith(MAGIC):
-        if not trusted:
-            raise ValueError("not a kvtier CUDA IPC handle")
-        obj = pickle.loads(blob)
-        return obj if isinstance(obj, torch.UntypedStorage) else obj.untyped_storage()
+        raise ValueError("not a kvtier CUDA IPC handle")
     doc = json.loads(blob[len(MAGIC):])
     raw = {k: base64.b64decode(doc[k]) for k in _BYTES_FIELDS}
     return torch.UntypedStorage._new_shared_cuda(
