@@ -71,7 +71,7 @@ def daemon_env(**extra: str) -> dict[str, str]:
 
 
 def start(tmp: Path, *, disk: Path | None = None, env: dict[str, str] | None = None,
-          args: list[str] | None = None, **sizes: int) -> Daemon:
+          args: list[str] | None = None, address: str = "", **sizes: int) -> Daemon:
     disk = disk or tmp / "disk"
     disk.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -80,7 +80,7 @@ def start(tmp: Path, *, disk: Path | None = None, env: dict[str, str] | None = N
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
                                 env=env or daemon_env())
-    address = argv[argv.index("--listen") + 1]
+    address = address or argv[argv.index("--listen") + 1]
     if args:
         port = int(argv[argv.index("--metrics-addr") + 1].rpartition(":")[2])
     d = Daemon(proc, address, port, disk, log, argv)

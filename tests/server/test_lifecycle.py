@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -128,6 +129,19 @@ def test_tcp_requires_the_token(spawn: Callable[..., Daemon], tmp_path: Path) ->
     with pytest.raises(Unauthenticated):
         KVTierClient(addr, "t", token="wrong").stats()
     assert KVTierClient(addr, "t", token="s3cret").stats().version
+
+
+def test_default_socket_is_private(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    args = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())
+    i = args.index("--listen")
+    del args[i : i + 2]
+    sock = runtime / "kvtier" / "kvtier.sock"
+    d = spawn(args=args, env=daemon_env(XDG_RUNTIME_DIR=str(runtime)), address=f"unix://{sock}")
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o750
+    assert d.client("t").stats().instance
 
 
 if __name__ == "__main__":
