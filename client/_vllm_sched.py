@@ -1,0 +1,134 @@
+"""Scheduler side of the vLLM connector: which blocks to load from and store to kvtier.
+
+``LoadStorePlanner`` keeps, per running request, its vLLM block ids and how many of its leading
+blocks kvtier already holds. Contract with vLLM's scheduler (``KVConnectorBase_V1``):
+
+- ``matched_tokens(request, num_computed)``: tokens beyond ``num_computed`` that kvtier holds —
+  the longest stored prefix of the request's chained block keys, never the last token (vLLM must
+  compute at least one). Side-effect free apart from remembering the hit for the next call.
+- ``after_alloc(request, block_ids, num_external)``: plan the load of those tokens' blocks.
+- ``build(new_reqs, cached_reqs, num_scheduled)``: this step's ``(loads, stores)``; a store covers
+  every block that becomes full in this step (prompt or output) and kvtier does not hold yet.
+- ``finished(req_id)``: forget the request (stores are synchronous, so blocks may be freed now).
+
+Keys are vLLM's own block hashes re-keyed into our namespace when they are reproducible across
+processes; otherwise chained hashes of the token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._blocks import chain_keys, rekey
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Copy ``len(keys)`` pages between kvtier (by key) and vLLM blocks (by id), in order."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Req:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    held: int = 0  # leading blocks kvtier holds (loaded, found or stored)
+    keys: list[bytes] = field(default_factory=list)
+
+
+class LoadStorePlanner:
+    """Not thread-safe: vLLM calls the scheduler connector from one thread."""
+
+    def __init__(self, lookup: Callable[[list[bytes]], int], block_size: int, ns: bytes,
+                 *, use_engine_hashes: bool) -> None:
+        self._lookup = lookup
+        self.block_size = block_size
+        self.ns = ns
+        self.use_engine_hashes = use_engine_hashes
+        self._reqs: dict[str, _Req] = {}
+        self._hits: dict[str, int] = {}
+        self._loads: list[BlockTransfer] = []
+
+    # --- keys -------------------------------------------------------------------------------
+    def keys(self, request: Any, n: int) -> list[bytes]:
+        """The first ``n`` block keys of ``request`` (``n`` ≤ its full blocks)."""
+        st = self._reqs.get(request.request_id)
+        cached = st.keys if st is not None else []
+        if len(cached) >= n:
+            return cached[:n]
+        hashes = getattr(request, "block_hashes", None) or []
+        if self.use_engine_hashes and len(hashes) >= n:
+            keys = cached + rekey(hashes[len(cached) : n], ns=self.ns)
+        else:
+            keys = chain_keys(list(request.all_token_ids[: n * self.block_size]),
+                              self.block_size, ns=self.ns)
+        if st is not None:
+            st.keys = keys
+        return keys
+
+    # --- vLLM scheduler hooks ---------------------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed: int) -> int:
+        n = max(0, (request.num_tokens - 1) // self.block_size)
+        hits = self._lookup(self.keys(request, n)) if n else 0
+        self._hits[request.request_id] = hits
+        return max(0, hits * self.block_size - num_computed)
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+        st = self._reqs.setdefault(request.request_id, _Req(request))
+        st.request = request
+        st.block_ids = list(block_ids)
+        hits = self._hits.pop(request.request_id, 0)
+        st.held = max(st.held, hits)
+        if num_external <= 0:
+            return
+        first = hits - num_external // self.block_size
+        keys = self.keys(request, hits)[first:]
+        self._loads.append(BlockTransfer(request.request_id, keys, st.block_ids[first:hits]))
+
+    def build(self, new_reqs: Sequence[Any], cached: Any,
+              num_scheduled: dict[str, int], spec: dict[str, list[int]]
+              ) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
+        """This step's loads and stores; resets the pending loads."""
+        computed: dict[str, int] = {}
+        for nr in new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is not None:
+                st.block_ids = list(nr.block_ids[0])
+                computed[nr.req_id] = nr.num_computed_tokens
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new[0]) if new is not None else []
+            elif new is not None:
+                st.block_ids.extend(new[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        stores = []
+        for req_id, done in computed.items():
+            after = done + num_scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
+            t = self._store_plan(self._reqs[req_id], after)
+            if t is not None:
+                stores.append(t)
+        loads, self._loads = self._loads, []
+        return loads, stores
+
+    def _store_plan(self, st: _Req, computed_after: int) -> BlockTransfer | None:
+        full = min(computed_after // self.block_size, len(st.block_ids),
+                   st.request.num_tokens // self.block_size)
+        if full <= st.held:
+            return None
+        keys = self.keys(st.request, full)[st.held :]
+        t = BlockTransfer(st.request.request_id, keys, st.block_ids[st.held : full])
+        st.held = full
+        return t
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._hits.pop(req_id, None)

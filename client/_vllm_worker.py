@@ -1,0 +1,120 @@
+"""Worker side of the vLLM connector: copy planned blocks between vLLM's KV tensors and kvtier.
+
+``BlockMover(backend, rows, register=...)``:
+
+- ``register=True``: vLLM's KV memory is registered with kvtier (CUDA IPC); slots are block ids
+  and the daemon copies directly. ``register=False`` (CPU, or memory the daemon can't map): a small
+  staging pool in daemon memory; blocks are copied through it in chunks of ``staging_slots``.
+- ``load(t) -> int``: leading blocks of ``t`` now holding exactly the stored bytes. Blocks after
+  that were not written and must be recomputed (the connector reports them as invalid).
+- ``store(t) -> int``: blocks stored (already-present keys count); a shortfall is not an error.
+
+``MoverCounters`` are plain numbers; the connector logs them and can write them to a file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ._backend import Backend, round_page
+from ._vllm_pages import BlockRows
+from ._vllm_sched import BlockTransfer
+
+
+@dataclass(slots=True)
+class MoverCounters:
+    loaded_blocks: int = 0
+    load_failed_blocks: int = 0
+    stored_blocks: int = 0
+    store_failed_blocks: int = 0
+    load_calls: int = 0
+    store_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class BlockMover:
+    def __init__(self, backend: Backend, rows: BlockRows, *, register: bool,
+                 staging_slots: int = 64) -> None:
+        self.backend, self.rows = backend, rows
+        self.counters = MoverCounters()
+        self._registered = register
+        if register:
+            self._pool = backend.register(rows.segments)
+        else:
+            self._staging = backend.attach(min(staging_slots, rows.num_blocks),
+                                           round_page(rows.page_bytes))
+            self._pool = self._staging.handle
+
+    def close(self) -> None:
+        self.backend.detach(self._pool)
+
+    def load(self, t: BlockTransfer) -> int:
+        self.counters.load_calls += 1
+        if self._registered:
+            got = self.backend.load(self._pool, t.keys, t.block_ids)
+        else:
+            got = self._chunked(t, self._load_chunk)
+        self.counters.loaded_blocks += got
+        self.counters.load_failed_blocks += len(t.keys) - got
+        return got
+
+    def store(self, t: BlockTransfer) -> int:
+        self.counters.store_calls += 1
+        if self._registered:
+            if self.rows.segments[0].is_cuda:
+                torch.cuda.synchronize(self.rows.segments[0].device)
+            got = self.backend.store(self._pool, t.keys, t.block_ids)
+        else:
+            got = self._chunked(t, self._store_chunk)
+        self.counters.stored_blocks += got
+        self.counters.store_failed_blocks += len(t.keys) - got
+        return got
+
+    def _chunked(self, t: BlockTransfer, op: object) -> int:
+        step, done = self._staging.num_slots, 0
+        for i in range(0, len(t.keys), step):
+            keys, blocks = t.keys[i : i + step], t.block_ids[i : i + step]
+            got = op(keys, blocks)  # type: ignore[operator]
+            done += got
+            if got < len(keys):
+                break
+        return done
+
+    def _load_chunk(self, keys: list[bytes], blocks: list[int]) -> int:
+        b, st = self.backend, self._staging
+        pages = b.allocate(st.handle, len(keys))
+        if pages is None:
+            return 0
+        ids, slots = [p for p, _ in pages], [s for _, s in pages]
+        try:
+            got = b.load(st.handle, keys, slots)
+            if got:
+                idx = torch.tensor(slots[:got], device=st.rows.device)
+                self.rows.scatter(blocks[:got], st.rows.index_select(0, idx))
+            return got
+        finally:
+            b.release(st.handle, ids)
+            b.free(st.handle, ids)
+
+    def _store_chunk(self, keys: list[bytes], blocks: list[int]) -> int:
+        b, st = self.backend, self._staging
+        pages = b.allocate(st.handle, len(keys))
+        if pages is None:
+            return 0
+        ids, slots = [p for p, _ in pages], [s for _, s in pages]
+        try:
+            tmp = torch.zeros(len(keys), st.page_size, dtype=torch.uint8,
+                              device=self.rows.segments[0].device)
+            self.rows.gather(blocks, tmp)
+            st.rows.index_copy_(0, torch.tensor(slots, device=st.rows.device),
+                                tmp.to(st.rows.device))
+            if st.rows.is_cuda:
+                torch.cuda.synchronize(st.rows.device)
+            return b.store(st.handle, keys, slots)
+        finally:
+            b.release(st.handle, ids)
+            b.free(st.handle, ids)
