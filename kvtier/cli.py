@@ -70,8 +70,16 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
     try:
         return OffloadConfig.from_env(**overrides)
     except ConfigError as exc:
-        given = [flag for flag, (name, _) in SERVE_FLAGS.items() if overrides[name] is not None]
-        raise ConfigError(f"{exc} (flags given: {', '.join(given) or 'none'})") from None
+        raise ConfigError(_name_flag(str(exc), overrides)) from None
+
+
+def _name_flag(message: str, overrides: dict[str, Any]) -> str:
+    """Prefix the flag when the bad value came from one (the message names the variable)."""
+    env = {f.name: f.metadata["env"] for f in fields(OffloadConfig)}
+    for flag, (name, _) in SERVE_FLAGS.items():
+        if overrides[name] is not None and message.startswith(env[name] + "="):
+            return f"{flag}: {message}"
+    return message
 
 
 def _serve(args: argparse.Namespace) -> int:
