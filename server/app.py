@@ -55,12 +55,13 @@ def listen_addresses(config: OffloadConfig) -> tuple[list[str], str]:
 
 
 def _prepare_unix(path: str) -> None:
+    """Create the socket's directory (0750) if missing; the default one must be ours."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         os.makedirs(directory, mode=0o750, exist_ok=True)
         os.chmod(directory, 0o750)
     st = os.stat(directory)
-    if st.st_uid != os.getuid():
+    if directory == default_socket_dir() and st.st_uid != os.getuid():
         raise ConfigError(f"socket directory {directory} is owned by uid {st.st_uid}, not us")
     if os.path.exists(path):
         os.unlink(path)  # stale socket of a crashed daemon
