@@ -62,11 +62,11 @@ def serve_args(tmp: Path, *, disk: Path, pool_pages: int = 16, cpu_pages: int = 
 
 
 def daemon_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_OFFLOAD_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KVCACHED_OFFLOAD_") and k != "NOTIFY_SOCKET"}
     env.update(KVCACHED_OFFLOAD_PAGE_SIZE=str(PAGE), KVCACHED_OFFLOAD_DISK_ADMISSION="always",
                KVCACHED_OFFLOAD_PINNED_CHUNK_MB="1", KVCACHED_OFFLOAD_BATCH_MB="1",
                KVCACHED_OFFLOAD_MAX_INFLIGHT_MB="8", **extra)
-    env.pop("NOTIFY_SOCKET", None)
     return env
 
 

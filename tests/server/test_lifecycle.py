@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -142,6 +143,18 @@ def test_default_socket_is_private(spawn: Callable[..., Daemon], tmp_path: Path)
     assert stat.S_IMODE(sock.stat().st_mode) == 0o660
     assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o750
     assert d.client("t").stats().instance
+
+
+def test_ready_is_sent_to_systemd_after_serving(spawn: Callable[..., Daemon], tmp_path: Path
+                                                 ) -> None:
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.settimeout(10)
+        d = spawn(env=daemon_env(NOTIFY_SOCKET=path))
+        assert sock.recv(256).startswith(b"READY=1")
+        assert d.stop() == 0
+        assert b"STOPPING=1" in sock.recv(256)
 
 
 if __name__ == "__main__":
