@@ -17,6 +17,8 @@ The daemon salts every key per tenant; these keys only need to be stable and col
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 
 KEY_BYTES = 16
@@ -40,7 +42,11 @@ def _step(parent: bytes, payload: bytes) -> bytes:
 
 
 def _ids_bytes(ids: Iterable[int]) -> bytes:
-    return b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids)
+    """Little-endian int64 of each id (fast path through ``array``)."""
+    arr = array("q", ids)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def chain_keys(

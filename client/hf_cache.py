@@ -18,6 +18,7 @@ them per tenant. Batch size 1 (one conversation per cache); full-attention layer
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -169,8 +170,25 @@ class ConversationStore:
             b.free(st.handle, ids)
 
     # --- save -----------------------------------------------------------------------------------
-    def save(self, cache: DynamicCache, token_ids: Sequence[int]) -> int:
-        """Store the full blocks of ``token_ids`` that ``cache`` holds and kvtier lacks."""
+    def save(self, cache: DynamicCache, token_ids: Sequence[int], *, wait_s: float = 0.0) -> int:
+        """Store the full blocks of ``token_ids`` that ``cache`` holds and kvtier lacks.
+
+        A full CPU tier stores what fits while it demotes older pages in the background;
+        ``wait_s > 0`` keeps retrying the rest until that long has passed.
+        """
+        deadline = time.monotonic() + wait_s
+        total = self._save_once(cache, token_ids)
+        while wait_s > 0 and time.monotonic() < deadline and self._missing(cache, token_ids):
+            time.sleep(0.005)
+            total += self._save_once(cache, token_ids)
+        return total
+
+    def _missing(self, cache: DynamicCache, token_ids: Sequence[int]) -> bool:
+        n = min(len(token_ids), cache.get_seq_length()) // self.layout.block_size
+        n *= self.layout.block_size
+        return self.lookup([*token_ids[:n], 0]) < n
+
+    def _save_once(self, cache: DynamicCache, token_ids: Sequence[int]) -> int:
         held = min(len(token_ids), cache.get_seq_length())
         bs = self.layout.block_size
         keys = chain_keys(list(token_ids[: held // bs * bs]), bs, ns=self.ns)
