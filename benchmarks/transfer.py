@@ -78,9 +78,18 @@ def wait_state(engine: TierEngine, pool_id, ids, state: PageState) -> None:
 
 def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float]:
     n = nbytes // page
-    cfg = OffloadConfig(device=str(device), page_size=page, gpu_memory_gb=2 * nbytes / GIB + 0.01,
-                        cpu_memory_gb=2.2 * nbytes / GIB, pinned_chunk_mb=256, batch_mb=64,
-                        max_inflight_mb=512, threshold=1.0, low_watermark=0.99, metrics_addr="")
+    cfg = OffloadConfig(
+        device=str(device),
+        page_size=page,
+        gpu_memory_gb=2 * nbytes / GIB + 0.01,
+        cpu_memory_gb=2.2 * nbytes / GIB,
+        pinned_chunk_mb=256,
+        batch_mb=64,
+        max_inflight_mb=512,
+        threshold=1.0,
+        low_watermark=0.99,
+        metrics_addr="",
+    )
     engine = TierEngine(cfg)
     try:
         pool = engine.attach("bench", 2 * n, page)
@@ -91,17 +100,27 @@ def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float
         seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, device=seg.device))
         engine.release(pool.pool_id, ids)
         a, b = ids[0::2], ids[1::2]  # scattered: every other slot
-        engine.offload(pool.pool_id, ids[: n // 2] + ids[-n // 2 :])  # warm-up: pins host chunks once
+        engine.offload(
+            pool.pool_id, ids[: n // 2] + ids[-n // 2 :]
+        )  # warm-up: pins host chunks once
         wait_state(engine, pool.pool_id, ids[:1], PageState.CPU)
         engine.acquire(pool.pool_id, ids)
         engine.release(pool.pool_id, ids)
-        sample = {p: seg[engine.page_info(pool.pool_id, p).slot].clone() for p in a[:: max(1, n // 16)]}
+        sample = {
+            p: seg[engine.page_info(pool.pool_id, p).slot].clone() for p in a[:: max(1, n // 16)]
+        }
         moved = engine.stats().counters.moved
         out: dict[str, float] = {}
         from kvtier.types import Direction
 
         d0 = moved[Direction.GPU_TO_CPU].seconds
-        t = timed(lambda: (engine.offload(pool.pool_id, a), wait_state(engine, pool.pool_id, a, PageState.CPU)), device)
+        t = timed(
+            lambda: (
+                engine.offload(pool.pool_id, a),
+                wait_state(engine, pool.pool_id, a, PageState.CPU),
+            ),
+            device,
+        )
         out["offload"] = nbytes / t / 1e9
         out["offload_datapath"] = nbytes / (moved[Direction.GPU_TO_CPU].seconds - d0) / 1e9
         seg[torch.tensor([s for s in range(2 * n)], device=seg.device)[0::2]].zero_()
@@ -110,7 +129,9 @@ def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float
         out["restore"] = nbytes / t / 1e9
         out["restore_datapath"] = nbytes / (moved[Direction.CPU_TO_GPU].seconds - d0) / 1e9
         for pid, data in sample.items():
-            assert torch.equal(seg[engine.page_info(pool.pool_id, pid).slot], data), "restored bytes differ"
+            assert torch.equal(seg[engine.page_info(pool.pool_id, pid).slot], data), (
+                "restored bytes differ"
+            )
         engine.release(pool.pool_id, a)
         engine.offload(pool.pool_id, b)
         wait_state(engine, pool.pool_id, b, PageState.CPU)
@@ -133,9 +154,18 @@ def latency_case(device: torch.device, backlog: int) -> dict[str, float]:
     page = 256 << 10
     per_req = 4  # 1 MiB
     nb = backlog // page
-    cfg = OffloadConfig(device=str(device), page_size=page, gpu_memory_gb=(backlog + (64 << 20)) / GIB + 0.01,
-                        cpu_memory_gb=(backlog + (256 << 20)) / GIB, pinned_chunk_mb=256, batch_mb=64,
-                        max_inflight_mb=512, threshold=1.0, low_watermark=0.99, metrics_addr="")
+    cfg = OffloadConfig(
+        device=str(device),
+        page_size=page,
+        gpu_memory_gb=(backlog + (64 << 20)) / GIB + 0.01,
+        cpu_memory_gb=(backlog + (256 << 20)) / GIB,
+        pinned_chunk_mb=256,
+        batch_mb=64,
+        max_inflight_mb=512,
+        threshold=1.0,
+        low_watermark=0.99,
+        metrics_addr="",
+    )
     engine = TierEngine(cfg)
     try:
         pool = engine.attach("lat", nb + 256, page)
@@ -169,14 +199,21 @@ def latency_case(device: torch.device, backlog: int) -> dict[str, float]:
         def q(xs: list[float], p: float) -> float:
             return statistics.quantiles(xs, n=100)[p - 1] * 1e3 if len(xs) > 2 else float("nan")
 
-        return {"idle_p50_ms": q(idle, 50), "idle_p99_ms": q(idle, 99), "busy_p50_ms": q(busy, 50),
-                "busy_p99_ms": q(busy, 99), "busy_samples": float(len(busy))}
+        return {
+            "idle_p50_ms": q(idle, 50),
+            "idle_p99_ms": q(idle, 99),
+            "busy_p50_ms": q(busy, 50),
+            "busy_p99_ms": q(busy, 99),
+            "busy_samples": float(len(busy)),
+        }
     finally:
         engine.close()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-gib", type=float, default=1.0)
@@ -197,19 +234,28 @@ def main() -> None:
     print(json.dumps(lat), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    (args.out / "transfer.json").write_text(json.dumps({"device": name, "rows": rows, "latency": lat}, indent=2))
-    lines = [f"Device: {name}; batch {args.batch_gib} GiB of scattered pages; GB/s = 1e9 B/s", "",
-             "| page | raw D2H | raw H2D | raw both | loop D2H | engine offload (data path) | engine restore (data path) | engine both | offload/raw | restore/raw |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    (args.out / "transfer.json").write_text(
+        json.dumps({"device": name, "rows": rows, "latency": lat}, indent=2)
+    )
+    lines = [
+        f"Device: {name}; batch {args.batch_gib} GiB of scattered pages; GB/s = 1e9 B/s",
+        "",
+        "| page | raw D2H | raw H2D | raw both | loop D2H | engine offload (data path) | engine restore (data path) | engine both | offload/raw | restore/raw |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['page']} | {r['raw_d2h']:.1f} | {r['raw_h2d']:.1f} | {r.get('raw_both', float('nan')):.1f} | "
             f"{r['loop_d2h']:.1f} | {r['offload']:.1f} ({r['offload_datapath']:.1f}) | "
             f"{r['restore']:.1f} ({r['restore_datapath']:.1f}) | {r['both']:.1f} | "
-            f"{r['offload'] / r['raw_d2h']:.2f} | {r['restore'] / r['raw_h2d']:.2f} |")
-    lines += ["", f"Restore of 1 MiB (4 x 256 KiB): idle p50 {lat['idle_p50_ms']:.2f} ms, p99 {lat['idle_p99_ms']:.2f} ms; "
-              f"under a {args.backlog_gib} GiB offload backlog p50 {lat['busy_p50_ms']:.2f} ms, p99 {lat['busy_p99_ms']:.2f} ms "
-              f"({int(lat['busy_samples'])} samples)"]
+            f"{r['offload'] / r['raw_d2h']:.2f} | {r['restore'] / r['raw_h2d']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Restore of 1 MiB (4 x 256 KiB): idle p50 {lat['idle_p50_ms']:.2f} ms, p99 {lat['idle_p99_ms']:.2f} ms; "
+        f"under a {args.backlog_gib} GiB offload backlog p50 {lat['busy_p50_ms']:.2f} ms, p99 {lat['busy_p99_ms']:.2f} ms "
+        f"({int(lat['busy_samples'])} samples)",
+    ]
     (args.out / "transfer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

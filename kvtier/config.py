@@ -37,33 +37,98 @@ class OffloadConfig:
     """Every setting of kvtier, with its default. Fields map 1:1 to ``KVCACHED_OFFLOAD_<NAME>``."""
 
     # --- tiers and policy -------------------------------------------------------------------
-    enabled: bool = _opt(True, "ENABLED", "Offload cold pages below the GPU tier at all.", "true|false")
-    cpu_memory_gb: float = _opt(4.0, "CPU_MEMORY_GB", "Pinned host memory budget (GiB), grown lazily.", ">= 0")
-    gpu_memory_gb: float = _opt(1.0, "GPU_MEMORY_GB", "Budget for daemon-allocated GPU page pools (GiB).", "> 0")
-    policy: str = _opt("lru", "POLICY", "Eviction policy: a registered name or 'module:Class'.", "lru|priority|hybrid|arc|s3fifo|...")
-    threshold: float = _opt(0.9, "THRESHOLD", "GPU use ratio above which pages are offloaded.", "0 < x <= 1")
-    low_watermark: float = _opt(0.8, "LOW_WATERMARK", "Offload down to this GPU use ratio.", "0 <= x < THRESHOLD")
-    prefetch: bool = _opt(False, "PREFETCH", "Bring offloaded pages back while the GPU has room.", "true|false")
-    page_size: int = _opt(256 * KIB, "PAGE_SIZE", "Default page size in bytes (64KiB, 2MiB, ...).", "4KiB..64MiB, multiple of 4KiB")
-    device: str = _opt("auto", "DEVICE", "Where the GPU tier lives; 'cpu' uses host shared memory.", "auto|cpu|cuda|cuda:N")
+    enabled: bool = _opt(
+        True, "ENABLED", "Offload cold pages below the GPU tier at all.", "true|false"
+    )
+    cpu_memory_gb: float = _opt(
+        4.0, "CPU_MEMORY_GB", "Pinned host memory budget (GiB), grown lazily.", ">= 0"
+    )
+    gpu_memory_gb: float = _opt(
+        1.0, "GPU_MEMORY_GB", "Budget for daemon-allocated GPU page pools (GiB).", "> 0"
+    )
+    policy: str = _opt(
+        "lru",
+        "POLICY",
+        "Eviction policy: a registered name or 'module:Class'.",
+        "lru|priority|hybrid|arc|s3fifo|...",
+    )
+    threshold: float = _opt(
+        0.9, "THRESHOLD", "GPU use ratio above which pages are offloaded.", "0 < x <= 1"
+    )
+    low_watermark: float = _opt(
+        0.8, "LOW_WATERMARK", "Offload down to this GPU use ratio.", "0 <= x < THRESHOLD"
+    )
+    prefetch: bool = _opt(
+        False, "PREFETCH", "Bring offloaded pages back while the GPU has room.", "true|false"
+    )
+    page_size: int = _opt(
+        256 * KIB,
+        "PAGE_SIZE",
+        "Default page size in bytes (64KiB, 2MiB, ...).",
+        "4KiB..64MiB, multiple of 4KiB",
+    )
+    device: str = _opt(
+        "auto",
+        "DEVICE",
+        "Where the GPU tier lives; 'cpu' uses host shared memory.",
+        "auto|cpu|cuda|cuda:N",
+    )
     # --- disk tier --------------------------------------------------------------------------
-    disk_path: str = _opt("", "DISK_PATH", "Directory of the disk tier; empty disables it.", "a directory path")
+    disk_path: str = _opt(
+        "", "DISK_PATH", "Directory of the disk tier; empty disables it.", "a directory path"
+    )
     disk_gb: float = _opt(0.0, "DISK_GB", "Disk tier budget (GiB); 0 disables it.", ">= 0")
-    disk_admission: str = _opt("reused", "DISK_ADMISSION", "Which pages evicted from CPU go to disk.", "always|reused|never")
-    disk_direct_io: bool = _opt(True, "DISK_DIRECT_IO", "Use O_DIRECT where the filesystem allows it.", "true|false")
-    disk_io_threads: int = _opt(4, "DISK_IO_THREADS", "Threads writing and reading disk pages.", "1..64")
+    disk_admission: str = _opt(
+        "reused",
+        "DISK_ADMISSION",
+        "Which pages evicted from CPU go to disk.",
+        "always|reused|never",
+    )
+    disk_direct_io: bool = _opt(
+        True, "DISK_DIRECT_IO", "Use O_DIRECT where the filesystem allows it.", "true|false"
+    )
+    disk_io_threads: int = _opt(
+        4, "DISK_IO_THREADS", "Threads writing and reading disk pages.", "1..64"
+    )
     # --- transfers --------------------------------------------------------------------------
-    pinned_chunk_mb: int = _opt(64, "PINNED_CHUNK_MB", "Size of each exact-size pinned host chunk (MiB).", "1..4096")
-    batch_mb: int = _opt(64, "BATCH_MB", "Most bytes moved by one transfer batch (gather + one DMA).", "1..4096")
-    max_inflight_mb: int = _opt(512, "MAX_INFLIGHT_MB", "Most bytes in flight across all transfers (MiB).", ">= BATCH_MB")
-    restore_timeout_s: float = _opt(30.0, "RESTORE_TIMEOUT_S", "Deadline for one restore (seconds).", "> 0")
+    pinned_chunk_mb: int = _opt(
+        64, "PINNED_CHUNK_MB", "Size of each exact-size pinned host chunk (MiB).", "1..4096"
+    )
+    batch_mb: int = _opt(
+        64, "BATCH_MB", "Most bytes moved by one transfer batch (gather + one DMA).", "1..4096"
+    )
+    max_inflight_mb: int = _opt(
+        512, "MAX_INFLIGHT_MB", "Most bytes in flight across all transfers (MiB).", ">= BATCH_MB"
+    )
+    restore_timeout_s: float = _opt(
+        30.0, "RESTORE_TIMEOUT_S", "Deadline for one restore (seconds).", "> 0"
+    )
     # --- daemon -----------------------------------------------------------------------------
-    listen: tuple[str, ...] = _opt((), "LISTEN", "Listen addresses, comma-separated; default a unix socket in the runtime dir.", "unix:///path.sock|host:port")
-    metrics_addr: str = _opt("127.0.0.1:9464", "METRICS_ADDR", "Prometheus /metrics address; empty disables it.", "host:port")
-    token: str = _opt("", "TOKEN", "Shared secret required on TCP listeners (metadata 'authorization: Bearer ...').", "a string")
-    token_file: str = _opt("", "TOKEN_FILE", "File holding the TCP token (preferred over TOKEN).", "a file path")
+    listen: tuple[str, ...] = _opt(
+        (),
+        "LISTEN",
+        "Listen addresses, comma-separated; default a unix socket in the runtime dir.",
+        "unix:///path.sock|host:port",
+    )
+    metrics_addr: str = _opt(
+        "127.0.0.1:9464",
+        "METRICS_ADDR",
+        "Prometheus /metrics address; empty disables it.",
+        "host:port",
+    )
+    token: str = _opt(
+        "",
+        "TOKEN",
+        "Shared secret required on TCP listeners (metadata 'authorization: Bearer ...').",
+        "a string",
+    )
+    token_file: str = _opt(
+        "", "TOKEN_FILE", "File holding the TCP token (preferred over TOKEN).", "a file path"
+    )
     grace_s: float = _opt(10.0, "GRACE_S", "Drain period on SIGTERM before exit (seconds).", "> 0")
-    max_message_mb: int = _opt(64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024")
+    max_message_mb: int = _opt(
+        64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024"
+    )
     log_level: str = _opt("info", "LOG_LEVEL", "Log verbosity.", "debug|info|warning|error")
 
     def __post_init__(self) -> None:
@@ -113,7 +178,9 @@ class OffloadConfig:
                 with open(self.token_file, encoding="utf-8") as fh:
                     return fh.readline().strip()
             except OSError as exc:
-                raise ConfigError(f"{ENV_PREFIX}TOKEN_FILE: cannot read {self.token_file!r}: {exc}") from exc
+                raise ConfigError(
+                    f"{ENV_PREFIX}TOKEN_FILE: cannot read {self.token_file!r}: {exc}"
+                ) from exc
         return self.token
 
 
@@ -154,7 +221,9 @@ def _parse(name: str, var: str, text: str, default: Any) -> Any:
 
 def _fail(name: str, value: Any) -> None:
     f = next(f for f in fields(OffloadConfig) if f.name == name)
-    raise ConfigError(f"{f.metadata['env']}={value!r} is invalid; accepted: {f.metadata['accepted']}")
+    raise ConfigError(
+        f"{f.metadata['env']}={value!r} is invalid; accepted: {f.metadata['accepted']}"
+    )
 
 
 def _validate(c: OffloadConfig) -> None:
@@ -203,6 +272,12 @@ def describe() -> list[tuple[str, str, str, str]]:
     rows = []
     for f in fields(OffloadConfig):
         default = f.default
-        shown = ",".join(default) if isinstance(default, tuple) else str(default).lower() if isinstance(default, bool) else str(default)
+        shown = (
+            ",".join(default)
+            if isinstance(default, tuple)
+            else str(default).lower()
+            if isinstance(default, bool)
+            else str(default)
+        )
         rows.append((f.metadata["env"], shown, f.metadata["accepted"], f.metadata["doc"]))
     return rows

@@ -28,7 +28,7 @@ from kvtier.policy.registry import create_policy
 from kvtier.pool import Pool
 from kvtier.scheduler import TransferScheduler
 from kvtier.stats import EngineCounters
-from kvtier.tiers.base import DiskRecord
+from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer import build_handlers
 from kvtier.transfer.base import Move
@@ -86,8 +86,16 @@ class EngineCore:
         for page_size, slot, record in self.disk.records():
             if self.table.keyed(record.key) is not None:
                 continue
-            page = Page(self.table.new_id(), None, record.tenant, page_size, PageState.DISK,
-                        Tier.DISK, slot, key=record.key)
+            page = Page(
+                self.table.new_id(),
+                None,
+                record.tenant,
+                page_size,
+                PageState.DISK,
+                Tier.DISK,
+                slot,
+                key=record.key,
+            )
             self.table.add(page)
             self.settle(page, Tier.DISK, slot)
 
@@ -133,13 +141,13 @@ class EngineCore:
     def free_slot(self, page_size: int, tier: Tier, slot: int, pool: Pool | None = None) -> None:
         if tier is Tier.GPU:
             assert pool is not None
-            pool.dev.free([slot])  # type: ignore[list-item]
+            pool.dev.free([slot])
         elif tier is Tier.CPU:
-            self.host.free(page_size, [slot])  # type: ignore[list-item]
+            self.host.free(page_size, [slot])
         else:
             assert self.disk is not None
-            self.disk.clear_record(page_size, slot)  # type: ignore[arg-type]
-            self.disk.free(page_size, [slot])  # type: ignore[list-item]
+            self.disk.clear_record(page_size, DiskSlot(slot))
+            self.disk.free(page_size, [slot])
 
     def release_page(self, page: Page) -> None:
         """Forget a settled page and free its slot (free / detach / drop)."""
@@ -214,12 +222,31 @@ class EngineCore:
             self.drop(page, "disk_full")
 
     # -- prepare ---------------------------------------------------------------------------------
-    def start(self, page: Page, direction: Direction, dst: int, *, urgent: bool = False,
-              submit: bool = True) -> Move:
-        pool = self.pools[page.pool_id] if page.pool_id is not None and Tier.GPU in direction.value else None
+    def start(
+        self,
+        page: Page,
+        direction: Direction,
+        dst: int,
+        *,
+        urgent: bool = False,
+        submit: bool = True,
+    ) -> Move:
+        pool = (
+            self.pools[page.pool_id]
+            if page.pool_id is not None and Tier.GPU in direction.value
+            else None
+        )
         self.unsettle(page)
-        move = Move(direction, page.page_size, page.slot, dst, page=page,
-                    pool=pool.dev if pool else None, urgent=urgent, ready=page.ready)
+        move = Move(
+            direction,
+            page.page_size,
+            page.slot,
+            dst,
+            page=page,
+            pool=pool.dev if pool else None,
+            urgent=urgent,
+            ready=page.ready,
+        )
         page.move = move
         page.state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
         if pool is not None and direction is Direction.GPU_TO_CPU:
@@ -240,7 +267,9 @@ class EngineCore:
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
             for page, slot in zip(group, slots, strict=False):
-                moves.append(self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent, submit=False))
+                moves.append(
+                    self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent, submit=False)
+                )
         self.scheduler.submit(moves)
         return len(moves)
 
@@ -249,10 +278,12 @@ class EngineCore:
         slots = pool.dev.alloc(len(pages)) if pages else []
         if slots is None:
             slots = pool.dev.alloc(min(pool.dev.num_free, len(pages))) or []
-        self.scheduler.submit([
-            self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent, submit=False)
-            for page, slot in zip(pages, slots, strict=False)
-        ])
+        self.scheduler.submit(
+            [
+                self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent, submit=False)
+                for page, slot in zip(pages, slots, strict=False)
+            ]
+        )
         return len(slots)
 
     def restore_disk(self, pages: list[Page]) -> int:
@@ -263,8 +294,10 @@ class EngineCore:
         moves: list[Move] = []
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
-            moves += [self.start(page, Direction.DISK_TO_CPU, slot, urgent=True, submit=False)
-                      for page, slot in zip(group, slots, strict=False)]
+            moves += [
+                self.start(page, Direction.DISK_TO_CPU, slot, urgent=True, submit=False)
+                for page, slot in zip(group, slots, strict=False)
+            ]
         self.scheduler.submit(moves)
         return len(moves)
 
@@ -298,8 +331,11 @@ class EngineCore:
             self.free_slot(page.page_size, src, move.src, pool)
             self.settle(page, dst, move.dst)
             if dst is Tier.DISK and page.key is not None and self.disk is not None:
-                self.disk.set_record(page.page_size, move.dst,  # type: ignore[arg-type]
-                                     DiskRecord(key=page.key, tenant=page.tenant))
+                self.disk.set_record(
+                    page.page_size,
+                    move.dst,  # type: ignore[arg-type]
+                    DiskRecord(key=page.key, tenant=page.tenant),
+                )
             self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
         else:
             self.free_slot(page.page_size, dst, move.dst, pool)
@@ -318,7 +354,9 @@ class EngineCore:
         if move is None or not self.scheduler.cancel(move):
             return False
         self.counters.cancelled_offloads += int(not move.direction.is_restore)
-        self._finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(move)
+        self._finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(
+            move
+        )
         return True
 
     def _undo(self, move: Move) -> None:

@@ -54,31 +54,43 @@ class TierEngine:
         return self._core.device
 
     # -- pools -------------------------------------------------------------------------------
-    def attach(self, tenant: str, num_slots: int, page_size: int | None = None, *,
-               default_priority: float = 1.0) -> Pool:
+    def attach(
+        self,
+        tenant: str,
+        num_slots: int,
+        page_size: int | None = None,
+        *,
+        default_priority: float = 1.0,
+    ) -> Pool:
         """A daemon-allocated GPU pool; ``None`` budget shortfall raises nothing but returns."""
         check_name("tenant", tenant)
         check_priority("default_priority", default_priority)
         size = self.config.page_size if page_size is None else page_size
         if not isinstance(size, int) or size < 4096 or size % 4096 or size > 64 * 1024 * 1024:
-            raise InvalidArgument("page_size", f"must be a multiple of 4096 in [4096, 64MiB], got {size}")
+            raise InvalidArgument(
+                "page_size", f"must be a multiple of 4096 in [4096, 64MiB], got {size}"
+            )
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise InvalidArgument("num_slots", f"must be a positive integer, got {num_slots}")
         with self._core.cond:
             self._core_open()
-            used = sum(p.num_slots * p.page_size for p in self._core.pools.values() if not p.external)
+            used = sum(
+                p.num_slots * p.page_size for p in self._core.pools.values() if not p.external
+            )
             if used + num_slots * size > self.config.gpu_budget_bytes:
                 from kvtier.errors import CapacityError
 
                 raise CapacityError(
                     f"num_slots: {num_slots} x {size} B exceeds the GPU budget "
-                    f"({self.config.gpu_budget_bytes - used} B free of {self.config.gpu_budget_bytes})"
+                    f"({self.config.gpu_budget_bytes - used} B free "
+                    f"of {self.config.gpu_budget_bytes})"
                 )
             dev = DevicePool.allocate(num_slots, size, str(self._core.device))
             return self._add_pool(tenant, dev, default_priority, external=False)
 
-    def register(self, tenant: str, segments: list[torch.Tensor], *,
-                 default_priority: float = 1.0) -> Pool:
+    def register(
+        self, tenant: str, segments: list[torch.Tensor], *, default_priority: float = 1.0
+    ) -> Pool:
         """Engine-owned memory (e.g. vLLM's KV tensors): the engine manages its slots."""
         check_name("tenant", tenant)
         check_priority("default_priority", default_priority)
@@ -88,7 +100,9 @@ class TierEngine:
             return self._add_pool(tenant, dev, default_priority, external=True)
 
     def _add_pool(self, tenant: str, dev: DevicePool, prio: float, *, external: bool) -> Pool:
-        pool = Pool(PoolId(next(self._pool_ids)), tenant, dev, self._core.new_policy(), prio, external)
+        pool = Pool(
+            PoolId(next(self._pool_ids)), tenant, dev, self._core.new_policy(), prio, external
+        )
         self._core.pools[pool.pool_id] = pool
         return pool
 
@@ -123,13 +137,21 @@ class TierEngine:
             raise Unavailable("the engine is shut down")
 
     # -- pages -------------------------------------------------------------------------------
-    def allocate(self, pool_id: PoolId, n: int, *, priority: float | None = None,
-                 sequence_length: int | None = None) -> list[tuple[PageId, SlotIndex]] | None:
+    def allocate(
+        self,
+        pool_id: PoolId,
+        n: int,
+        *,
+        priority: float | None = None,
+        sequence_length: int | None = None,
+    ) -> list[tuple[PageId, SlotIndex]] | None:
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument("n", f"must be a positive integer, got {n}")
         if priority is not None:
             check_priority("priority", priority)
-        if sequence_length is not None and (not isinstance(sequence_length, int) or sequence_length < n):
+        if sequence_length is not None and (
+            not isinstance(sequence_length, int) or sequence_length < n
+        ):
             raise InvalidArgument("sequence_length", f"must be an integer >= n ({n})")
         deadline = time.monotonic() + self.config.restore_timeout_s
         core = self._core
@@ -137,7 +159,9 @@ class TierEngine:
             self._core_open()
             pool = self._pool(pool_id)
             if pool.external:
-                raise FailedPrecondition(f"pool {pool_id} is engine-managed (registered); allocate there")
+                raise FailedPrecondition(
+                    f"pool {pool_id} is engine-managed (registered); allocate there"
+                )
             if n > pool.num_slots - len(pool.pinned):
                 return None
             while pool.dev.num_free < n:
@@ -149,10 +173,19 @@ class TierEngine:
             out = []
             length = sequence_length or n
             for i, slot in enumerate(slots):
-                page = Page(core.table.new_id(), pool_id, pool.tenant, pool.page_size,
-                            PageState.GPU, Tier.GPU, slot,
-                            priority=pool.default_priority if priority is None else priority,
-                            position=i, length=length, pins=1)
+                page = Page(
+                    core.table.new_id(),
+                    pool_id,
+                    pool.tenant,
+                    pool.page_size,
+                    PageState.GPU,
+                    Tier.GPU,
+                    slot,
+                    priority=pool.default_priority if priority is None else priority,
+                    position=i,
+                    length=length,
+                    pins=1,
+                )
                 core.table.add(page)
                 core.settle(page, Tier.GPU, slot)
                 pool.pinned.add(page.page_id)
@@ -175,8 +208,9 @@ class TierEngine:
         core.release_page(page)
         core.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
 
-    def acquire(self, pool_id: PoolId, page_ids: Sequence[PageId], *,
-                timeout: float | None = None) -> list[SlotIndex] | None:
+    def acquire(
+        self, pool_id: PoolId, page_ids: Sequence[PageId], *, timeout: float | None = None
+    ) -> list[SlotIndex] | None:
         """Resident + pinned, restores first. See ENGINE_API.md."""
         core = self._core
         start = time.monotonic()
@@ -249,7 +283,11 @@ class TierEngine:
         victims = pool.policy.evict(n, Protected(pool.pinned, keep))
         if victims is None:
             evictable = len(pool.policy) - len(pool.pinned)
-            victims = pool.policy.evict(evictable, Protected(pool.pinned, keep)) if evictable > 0 else None
+            victims = (
+                pool.policy.evict(evictable, Protected(pool.pinned, keep))
+                if evictable > 0
+                else None
+            )
         pages = [self._core.table.pages[v] for v in victims or []]
         for page in pages:  # evict() stopped tracking them; settle bookkeeping expects them
             pool.policy.insert(page.meta())
@@ -260,7 +298,10 @@ class TierEngine:
         deadline = time.monotonic() + timeout
         with self._core.cond:
             while True:
-                if self._core.scheduler.depth() == (0, 0) and self._core.scheduler.inflight_bytes == 0:
+                if (
+                    self._core.scheduler.depth() == (0, 0)
+                    and self._core.scheduler.inflight_bytes == 0
+                ):
                     return True
                 if time.monotonic() > deadline:
                     return False
@@ -291,7 +332,11 @@ class TierEngine:
     def release(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
         with self._core.cond:
             pool = self._pool(pool_id)
-            pages = list(dict.fromkeys(self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)))
+            pages = list(
+                dict.fromkeys(
+                    self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)
+                )
+            )
             bad = [p.page_id for p in pages if p.pins == 0]
             if bad:
                 raise FailedPrecondition(f"page_ids: pages {bad} are not acquired")
@@ -319,10 +364,16 @@ class TierEngine:
         with self._core.cond:
             self._core_open()
             pool = self._pool(pool_id)
-            pages = list(dict.fromkeys(self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)))
+            pages = list(
+                dict.fromkeys(
+                    self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)
+                )
+            )
             on_cpu = [p for p in pages if p.state is PageState.CPU][: pool.dev.num_free]
             on_disk = [p for p in pages if p.state is PageState.DISK]
-            return self._core.restore_cpu(pool, on_cpu, urgent=False) + self._core.restore_disk(on_disk)
+            return self._core.restore_cpu(pool, on_cpu, urgent=False) + self._core.restore_disk(
+                on_disk
+            )
 
     def set_priority(self, pool_id: PoolId, page_ids: Sequence[PageId], priority: float) -> None:
         check_priority("priority", priority)
@@ -394,9 +445,15 @@ class TierEngine:
             return EngineStats(
                 tiers=(
                     TierStats(Tier.GPU, gpu_used, gpu_cap, count[Tier.GPU]),
-                    TierStats(Tier.CPU, core.host.used_bytes, core.host.capacity_bytes, count[Tier.CPU]),
-                    TierStats(Tier.DISK, disk.used_bytes if disk else 0,
-                              disk.capacity_bytes if disk else 0, count[Tier.DISK]),
+                    TierStats(
+                        Tier.CPU, core.host.used_bytes, core.host.capacity_bytes, count[Tier.CPU]
+                    ),
+                    TierStats(
+                        Tier.DISK,
+                        disk.used_bytes if disk else 0,
+                        disk.capacity_bytes if disk else 0,
+                        count[Tier.DISK],
+                    ),
                 ),
                 pools=len(core.pools),
                 tenants=len({p.tenant for p in core.pools.values()}),

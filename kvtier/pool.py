@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvtier.pagetable import Page
 from kvtier.policy.base import EvictionPolicy
 from kvtier.tiers.base import PoolHandle
@@ -34,7 +36,7 @@ class Pool:
         return self.dev.num_slots
 
     @property
-    def segments(self) -> list:  # type: ignore[type-arg]
+    def segments(self) -> list[torch.Tensor]:
         return self.dev.segments
 
     @property

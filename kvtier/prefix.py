@@ -19,7 +19,13 @@ import time
 from collections.abc import Sequence
 
 from kvtier.core import EngineCore
-from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvtier.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from kvtier.pagetable import Page
 from kvtier.pool import Pool
 from kvtier.transfer.base import Move
@@ -44,16 +50,22 @@ class PrefixStore:
             raise NotFound(f"pool {pool_id} not found")
         return pool
 
-    def _args(self, pool: Pool, keys: Sequence[bytes], slots: Sequence[int]) -> tuple[list[bytes], list[int]]:
+    def _args(
+        self, pool: Pool, keys: Sequence[bytes], slots: Sequence[int]
+    ) -> tuple[list[bytes], list[int]]:
         keys = check_keys("keys", keys)
         slots = check_slots("slots", slots, pool.num_slots)
         if len(keys) != len(slots):
-            raise InvalidArgument("slots", f"need one slot per key ({len(keys)} keys, {len(slots)} slots)")
+            raise InvalidArgument(
+                "slots", f"need one slot per key ({len(keys)} keys, {len(slots)} slots)"
+            )
         if not pool.external:
             for s in slots:
                 page = pool.slot_pages.get(s)
                 if page is None or page.pins == 0:
-                    raise FailedPrecondition(f"slots: slot {s} holds no acquired page of pool {pool.pool_id}")
+                    raise FailedPrecondition(
+                        f"slots: slot {s} holds no acquired page of pool {pool.pool_id}"
+                    )
         return keys, slots
 
     def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
@@ -73,22 +85,39 @@ class PrefixStore:
                 got = core.cpu_slots(pool.page_size, 1)
                 if not got:
                     break
-                page = Page(core.table.new_id(), None, pool.tenant, pool.page_size,
-                            PageState.MOVING_DOWN, Tier.CPU, got[0], key=salted)
+                page = Page(
+                    core.table.new_id(),
+                    None,
+                    pool.tenant,
+                    pool.page_size,
+                    PageState.MOVING_DOWN,
+                    Tier.CPU,
+                    got[0],
+                    key=salted,
+                )
                 core.table.add(page)
-                moves.append(Move(Direction.GPU_TO_CPU, pool.page_size, slot, got[0], page=page,
-                                  pool=pool.dev, copy=True))
+                moves.append(
+                    Move(
+                        Direction.GPU_TO_CPU,
+                        pool.page_size,
+                        slot,
+                        got[0],
+                        page=page,
+                        pool=pool.dev,
+                        copy=True,
+                    )
+                )
             core.scheduler.submit(moves)
             self._wait(moves)
             for move in moves:
-                page = move.page
-                assert page is not None
+                new = move.page
+                assert new is not None
                 if move.result:
-                    core.settle(page, Tier.CPU, move.dst)
+                    core.settle(new, Tier.CPU, move.dst)
                     stored += 1
                 else:
-                    core.host.free(page.page_size, [move.dst])  # type: ignore[list-item]
-                    core.table.remove(page)
+                    core.host.free(new.page_size, [move.dst])
+                    core.table.remove(new)
             return stored
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Tier]:
@@ -116,8 +145,19 @@ class PrefixStore:
             for page in pages:
                 page.pins += 1
             try:
-                moves = [Move(Direction.CPU_TO_GPU, pool.page_size, p.slot, s, page=p,
-                              pool=pool.dev, copy=True, urgent=True) for p, s in zip(pages, slots, strict=False)]
+                moves = [
+                    Move(
+                        Direction.CPU_TO_GPU,
+                        pool.page_size,
+                        p.slot,
+                        s,
+                        page=p,
+                        pool=pool.dev,
+                        copy=True,
+                        urgent=True,
+                    )
+                    for p, s in zip(pages, slots, strict=False)
+                ]
                 core.scheduler.submit(moves)
                 self._wait(moves)
             finally:
@@ -141,7 +181,11 @@ class PrefixStore:
             pages: list[Page] = []
             for key in keys:
                 page = core.table.keyed(salt_key(pool.tenant, key))
-                if page is None or page.state is PageState.DROPPED or page.page_size != pool.page_size:
+                if (
+                    page is None
+                    or page.state is PageState.DROPPED
+                    or page.page_size != pool.page_size
+                ):
                     break
                 pages.append(page)
             waiting = [p for p in pages if p.state is not PageState.CPU]

@@ -10,8 +10,8 @@ Contract:
     * A lane takes one batch at a time: consecutive moves of one direction up to ``batch_bytes``.
       Bytes in flight across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
     * ``cancel(move)`` removes a queued move (True) or reports it already started (False).
-    * ``on_complete(moves, results, seconds)`` is called on the lane thread after every batch, including
-      failed ones (all False) and, on ``close``, every move still queued (all False).
+    * ``on_complete(moves, results, seconds)`` is called on the lane thread after every batch,
+      including failed ones (all False) and, on ``close``, every move still queued (all False).
 """
 
 from __future__ import annotations
@@ -150,7 +150,9 @@ class TransferScheduler:
         try:
             results = handler.run(batch)
         except Exception:
-            log.exception("transfer batch %s of %d pages failed", batch[0].direction.name, len(batch))
+            log.exception(
+                "transfer batch %s of %d pages failed", batch[0].direction.name, len(batch)
+            )
             results = [False] * len(batch)
         try:
             self._on_complete(batch, results, time.perf_counter() - start)
@@ -163,7 +165,9 @@ class TransferScheduler:
             if self._closed:
                 return
             self._closed = True
-            leftovers = [m for lane in self._lanes.values() for m in (*lane.restores, *lane.offloads)]
+            leftovers = [
+                m for lane in self._lanes.values() for m in (*lane.restores, *lane.offloads)
+            ]
             for lane in self._lanes.values():
                 lane.restores.clear()
                 lane.offloads.clear()

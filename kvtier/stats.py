@@ -30,7 +30,9 @@ class EngineCounters:
         default_factory=lambda: {d: DirectionCounters() for d in Direction}
     )
     evictions: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    drops: dict[str, int] = field(default_factory=dict)  # reason -> count (disk_full, corrupt, no_admission)
+    drops: dict[str, int] = field(
+        default_factory=dict
+    )  # reason -> count (disk_full, corrupt, no_admission)
     hits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
     misses: int = 0
     checksum_failures: int = 0

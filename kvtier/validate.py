@@ -15,13 +15,21 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 
 def check_name(field: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME.match(value):
-        raise InvalidArgument(field, "must be 1-128 characters of letters, digits and ._:@/- "
-                                     f"starting with a letter or digit, got {value!r}")
+        raise InvalidArgument(
+            field,
+            "must be 1-128 characters of letters, digits and ._:@/- "
+            f"starting with a letter or digit, got {value!r}",
+        )
     return value
 
 
 def check_priority(field: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise InvalidArgument(field, f"must be a finite number > 0, got {value!r}")
     return float(value)
 

@@ -16,7 +16,6 @@ from kvtier.core import EngineCore
 from kvtier.pool import Pool, Protected
 from kvtier.types import PageState
 
-
 PERSIST_EVERY_S = 2.0
 
 

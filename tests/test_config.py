@@ -59,10 +59,16 @@ def test_disk_size_needs_a_path():
 
 
 def test_sizes():
-    assert parse_size("64KiB") == 65536 and parse_size("4096") == 4096 and parse_size("1g") == 1 << 30
+    assert (
+        parse_size("64KiB") == 65536 and parse_size("4096") == 4096 and parse_size("1g") == 1 << 30
+    )
 
 
 def test_readme_table_lists_exactly_the_config_variables():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    in_readme = {line.split("`")[1] for line in readme.splitlines() if line.startswith("| `KVCACHED_OFFLOAD_")}
+    in_readme = {
+        line.split("`")[1]
+        for line in readme.splitlines()
+        if line.startswith("| `KVCACHED_OFFLOAD_")
+    }
     assert in_readme == {row[0] for row in describe()}

@@ -34,8 +34,12 @@ def make(gate: threading.Event, batch_bytes: int = 4096):
     log: list = []
     done: list[Move] = []
     handlers = {d: Gated(d, log, gate) for d in Direction}
-    sched = TransferScheduler(handlers, batch_bytes=batch_bytes, max_inflight_bytes=1 << 20,
-                              on_complete=lambda ms, rs, s: done.extend(ms))
+    sched = TransferScheduler(
+        handlers,
+        batch_bytes=batch_bytes,
+        max_inflight_bytes=1 << 20,
+        on_complete=lambda ms, rs, s: done.extend(ms),
+    )
     return sched, log, done
 
 
@@ -58,7 +62,7 @@ def test_queued_restore_goes_before_queued_offloads_on_the_shared_disk_lane():
 
 def test_restore_lane_is_not_blocked_by_an_offload_backlog():
     gate = threading.Event()
-    sched, log, done = make(gate)
+    sched, _log, done = make(gate)
     try:
         sched.submit([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(50)])
         restore = Move(Direction.CPU_TO_GPU, 4096, 7, 7)
@@ -91,7 +95,7 @@ def test_urgent_offload_jumps_the_offload_queue_and_batches_respect_bytes():
 
 def test_cancel_removes_a_queued_move_and_close_fails_the_rest():
     gate = threading.Event()
-    sched, log, done = make(gate)
+    sched, _log, done = make(gate)
     first = Move(Direction.GPU_TO_CPU, 4096, 0, 0)
     queued = [Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(1, 4)]
     sched.submit([first])

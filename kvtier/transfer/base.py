@@ -4,8 +4,8 @@ Contract:
     * A :class:`Move` copies one page's bytes from a source slot to a destination slot. The engine
       prepares it (destination slot allocated, page marked moving) and completes it with the
       handler's result; the handler never touches the page table.
-    * ``TransferHandler.run(moves)`` runs on a scheduler lane thread, copies a whole batch (all moves
-      share the handler's direction) with as few calls as possible (one gather + one DMA per
+    * ``TransferHandler.run(moves)`` runs on a scheduler lane thread, copies a whole batch (all
+      moves share the handler's direction) with as few calls as possible (one gather + one DMA per
       contiguous run, never one call per page on CUDA), waits for completion on its own stream's
       event (no device-wide synchronize) and returns one bool per move. It must not raise for a
       single bad page; an exception fails the whole batch.

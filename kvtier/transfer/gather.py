@@ -13,9 +13,9 @@ import torch
 
 def wide(t: torch.Tensor) -> torch.Tensor:
     """View uint8 rows as int64 when layout allows: 8x fewer elements for the copy kernels."""
-    if t.shape[-1] % 8 == 0 and t.stride(-1) == 1 and t.storage_offset() % 8 == 0:
-        if all(s % 8 == 0 for s in t.stride()[:-1]):
-            return t.view(torch.int64)
+    aligned = t.shape[-1] % 8 == 0 and t.stride(-1) == 1 and t.storage_offset() % 8 == 0
+    if aligned and all(s % 8 == 0 for s in t.stride()[:-1]):
+        return t.view(torch.int64)
     return t
 
 

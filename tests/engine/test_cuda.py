@@ -13,9 +13,18 @@ PAGE = 64 << 10
 
 
 def cuda_engine(tmp_path, **kw) -> TierEngine:
-    base = dict(device="cuda:0", page_size=PAGE, gpu_memory_gb=0.25, cpu_memory_gb=16 * PAGE / 2**30,
-                pinned_chunk_mb=1, batch_mb=1, metrics_addr="", disk_path=str(tmp_path / "d"),
-                disk_gb=256 * PAGE / 2**30, disk_admission="always")
+    base = dict(
+        device="cuda:0",
+        page_size=PAGE,
+        gpu_memory_gb=0.25,
+        cpu_memory_gb=16 * PAGE / 2**30,
+        pinned_chunk_mb=1,
+        batch_mb=1,
+        metrics_addr="",
+        disk_path=str(tmp_path / "d"),
+        disk_gb=256 * PAGE / 2**30,
+        disk_admission="always",
+    )
     base.update(kw)
     return TierEngine(OffloadConfig(**base))
 
@@ -90,7 +99,9 @@ def test_store_and_load_on_cuda(tmp_path):
         got = engine.allocate(pool.pool_id, 2)
         slots = [s for _, s in got]
         for s in slots:
-            pool.segments[0][s].copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, device="cuda"))
+            pool.segments[0][s].copy_(
+                torch.randint(0, 256, (PAGE,), dtype=torch.uint8, device="cuda")
+            )
         want = [pool.segments[0][s].cpu() for s in slots]
         assert engine.store(pool.pool_id, [b"a", b"b"], slots) == 2
         pool.segments[0].zero_()

@@ -133,11 +133,13 @@ def test_store_lookup_load_roundtrip_and_prefix(make_engine):
         expected.append(pool.segments[0][s].clone())
     keys = [b"h0", b"h1", b"h2"]
     assert engine.store(pool.pool_id, keys, slots) == 3
-    assert engine.store(pool.pool_id, keys[:1], slots[:1]) == 1  # already stored: counted, not rewritten
+    assert (
+        engine.store(pool.pool_id, keys[:1], slots[:1]) == 1
+    )  # already stored: counted, not rewritten
     assert engine.lookup("t", [b"h0", b"h1", b"zz", b"h2"]) == [Tier.CPU, Tier.CPU]
     for s in slots:
         pool.segments[0][s].zero_()
-    assert engine.load(pool.pool_id, keys + [b"missing"], slots + [slots[0]]) == 3
+    assert engine.load(pool.pool_id, [*keys, b"missing"], [*slots, slots[0]]) == 3
     for s, data in zip(slots, expected, strict=True):
         assert torch.equal(pool.segments[0][s], data)
 
@@ -185,10 +187,12 @@ def test_offload_hint_and_prefetch(make_engine):
 
 def test_acquire_a_whole_pool_spread_over_cpu_and_disk(make_engine):
     """Restoring disk pages must not push the other requested CPU pages back down (no livelock)."""
-    engine = make_engine(cpu_memory_gb=16 * PAGE / 2**30, disk_admission="always", restore_timeout_s=20)
+    engine = make_engine(
+        cpu_memory_gb=16 * PAGE / 2**30, disk_admission="always", restore_timeout_s=20
+    )
     pool = engine.attach("t", 8)
     expected = {}
-    for round_ in range(6):
+    for _ in range(6):
         got = engine.allocate(pool.pool_id, 8)
         for pid, slot in got:
             pool.segments[0][slot].fill_(pid % 251)
@@ -199,5 +203,9 @@ def test_acquire_a_whole_pool_spread_over_cpu_and_disk(make_engine):
     for i in range(0, len(ids), 8):
         slots = engine.acquire(pool.pool_id, ids[i : i + 8])
         for pid, slot in zip(ids[i : i + 8], slots, strict=True):
-            assert int(pool.segments[0][slot].min()) == int(pool.segments[0][slot].max()) == expected[pid]
+            assert (
+                int(pool.segments[0][slot].min())
+                == int(pool.segments[0][slot].max())
+                == expected[pid]
+            )
         engine.release(pool.pool_id, ids[i : i + 8])

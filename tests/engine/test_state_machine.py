@@ -101,7 +101,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self) -> None:
         stats = self.engine.stats()
-        gpu, cpu, disk = stats.tiers
+        _gpu, cpu, disk = stats.tiers
         assert cpu.used_bytes <= CPU_PAGES * PAGE and disk.used_bytes <= DISK_PAGES * PAGE
         states = [self.engine.page_info(self.pool.pool_id, p) for p in self.model]
         assert all(s.state is not PageState.DROPPED for s in states), "no page may be lost"
@@ -124,12 +124,14 @@ TestEngineMachine = EngineMachine.TestCase
 
 def test_model_bytes_survive_full_cycle(tmp_path: Path) -> None:
     """Deterministic companion: every page makes a GPU -> CPU -> disk -> GPU round trip."""
-    engine = TierEngine(small_config(tmp_path, cpu_memory_gb=2 * PAGE / 2**30, disk_admission="always"))
+    engine = TierEngine(
+        small_config(tmp_path, cpu_memory_gb=2 * PAGE / 2**30, disk_admission="always")
+    )
     try:
         pool = engine.attach("t", 2)
         model = {}
         for i in range(12):
-            (pid, slot), = engine.allocate(pool.pool_id, 1)
+            ((pid, slot),) = engine.allocate(pool.pool_id, 1)
             pool.segments[0][slot].copy_(torch.full((PAGE,), i, dtype=torch.uint8))
             model[pid] = i
             engine.release(pool.pool_id, [pid])
