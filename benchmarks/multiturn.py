@@ -1,0 +1,345 @@
+"""Multi-turn chat benchmark: time to first token (TTFT) per turn, with and without kvtier.
+
+Many conversations take turns round-robin; each turn appends the previous reply and a new user
+message, so contexts grow to ``--max-context`` tokens. Only the active conversation's KV is on the
+GPU; every other conversation's KV must come back from somewhere (the working set is many times
+the GPU KV budget). Modes, all in one run on one model (a ~1B-param Llama with random bf16
+weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
+
+- ``recompute``: prefill the whole context every turn.
+- ``kvtier-cpu``: restore the stored prefix from kvtier's pinned CPU tier, prefill the rest.
+- ``kvtier-disk``: the same with a CPU budget too small for the trace, so prefixes come from disk.
+- ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)`` kept per conversation (its
+  layers wait in CPU memory between turns and are prefetched layer by layer).
+
+TTFT = restore + prefill of the uncached suffix + first token on the host. Replies are synthetic
+tokens (their KV is computed as part of the next turn's suffix). Writes ``results.json``,
+``results.md`` and, if matplotlib is installed, ``ttft.png`` under ``--out``.
+
+    python benchmarks/multiturn.py --out results/multiturn            # GPU (H100), defaults
+    python benchmarks/multiturn.py --tiny --out /tmp/multiturn        # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvtier.client.hf_cache import ConversationStore, KVLayout
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvtier import OffloadConfig, TierEngine
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One measured turn: which conversation, how long its context was and how long TTFT took."""
+
+    mode: str
+    conv: int
+    turn: int
+    context: int
+    reused: int
+    ttft_s: float
+    first_token: int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--tiny", action="store_true", help="small fp32 model on CPU (smoke test)")
+    p.add_argument("--conversations", type=int, default=None)
+    p.add_argument("--turns", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--reply-tokens", type=int, default=None, help="synthetic reply per turn")
+    p.add_argument("--disk-path", default="", help="disk tier folder (default: a temp dir)")
+    p.add_argument("--modes", default="recompute,kvtier-cpu,kvtier-disk,hf-offloaded")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    tiny = dict(conversations=3, turns=4, max_context=512, block_size=32, reply_tokens=32)
+    full = dict(conversations=8, turns=8, max_context=8192, block_size=256, reply_tokens=256)
+    for k, v in (tiny if args.tiny else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def build_model(tiny: bool) -> tuple[LlamaForCausalLM, torch.device, torch.dtype]:
+    """Random weights: ~1B params (16 layers, hidden 2048, GQA 32/8 heads) in bf16 on the GPU."""
+    if tiny:
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=1024)
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the full benchmark needs a CUDA GPU; use --tiny on CPU")
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=16384, rope_theta=500000.0)
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    cfg.dtype = dtype
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval(), device, dtype
+
+
+def make_trace(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Per conversation, per turn: (user tokens, reply tokens); contexts end at max_context."""
+    g = torch.Generator().manual_seed(args.seed)
+    user = max(1, args.max_context // args.turns - args.reply_tokens)
+    rand = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
+    return [[(rand(user), rand(args.reply_tokens)) for _ in range(args.turns)]
+            for _ in range(args.conversations)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def first_token(model: LlamaForCausalLM, ids: list[int], cache: DynamicCache) -> int:
+    x = torch.tensor([ids], device=model.device)
+    with torch.no_grad():
+        out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return int(out.logits[0, -1].argmax().item())
+
+
+class Mode:
+    """One way to serve a turn: ``ttft`` is timed; ``after`` (saving for the next turn) is not."""
+
+    name = ""
+
+    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
+        """Return (tokens reused, first token)."""
+        raise NotImplementedError
+
+    def after(self, conv: int, prompt: list[int]) -> None:
+        return
+
+    def close(self) -> None:
+        return
+
+
+def run_mode(mode: Mode, trace: list, device: torch.device) -> list[Turn]:
+    rows: list[Turn] = []
+    history: list[list[int]] = [[] for _ in trace]
+    for t in range(len(trace[0])):
+        for c, conv in enumerate(trace):
+            user, reply = conv[t]
+            prompt = history[c] + user
+            sync(device)
+            start = time.perf_counter()
+            reused, tok = mode.ttft(c, prompt)
+            sync(device)
+            rows.append(Turn(mode.name, c, t, len(prompt), reused,
+                             time.perf_counter() - start, tok))
+            mode.after(c, prompt)
+            history[c] = prompt + reply
+    return rows
+
+
+class Recompute(Mode):
+    name = "recompute"
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+
+    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
+        return 0, first_token(self.model, prompt, DynamicCache(config=self.model.config))
+
+
+class KVTier(Mode):
+    """Restore the prefix through an in-process engine; store the prompt's blocks afterwards."""
+
+    def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
+                 args: argparse.Namespace, dtype: torch.dtype) -> None:
+        self.name, self.model = name, model
+        self.engine = TierEngine(config)
+        self.store = ConversationStore(
+            self.engine, tenant="bench", model_config=model.config, dtype=dtype,
+            device=model.device, block_size=args.block_size,
+            staging_slots=args.max_context // args.block_size + 1)
+        self._cache: DynamicCache | None = None
+
+    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
+        cache = self.store.restore(prompt)
+        n = cache.restored_tokens
+        tok = first_token(self.model, prompt[n:], cache)
+        self._cache = cache
+        return n, tok
+
+    def after(self, conv: int, prompt: list[int]) -> None:
+        assert self._cache is not None
+        self.store.save(self._cache, prompt, wait_s=5.0)
+        self._cache = None
+
+    def close(self) -> None:
+        counters = self.store.counters
+        self.restored_from = {t.name.lower(): n for t, n in counters.restored_from.items()}
+        self.store.close()
+        self.engine.close()
+
+
+class HFOffloaded(Mode):
+    """transformers' layer-offloaded DynamicCache, one per conversation, kept across turns."""
+
+    name = "hf-offloaded"
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.caches: dict[int, DynamicCache] = {}
+
+    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
+        cache = self.caches.get(conv)
+        if cache is None:
+            cache = self.caches[conv] = DynamicCache(config=self.model.config, offloading=True)
+        n = cache.get_seq_length()
+        return n, first_token(self.model, prompt[n:], cache)
+
+
+def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
+    return KVLayout.of(model.config, 1, dtype).raw_bytes
+
+
+def engine_config(args: argparse.Namespace, device: torch.device, page: int, *,
+                  cpu_bytes: int, disk_path: str = "") -> OffloadConfig:
+    slots = args.max_context // args.block_size + 1
+    kw: dict[str, Any] = dict(
+        device="cpu" if device.type == "cpu" else "cuda",
+        gpu_memory_gb=page * (slots + 2) / GIB, cpu_memory_gb=cpu_bytes / GIB,
+        pinned_chunk_mb=1 if args.tiny else 64, page_size=page)
+    if disk_path:
+        kw.update(disk_path=disk_path, disk_gb=max(1.0, 4 * cpu_bytes / GIB),
+                  disk_admission="always")
+    return OffloadConfig(**kw)
+
+
+def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.device,
+               dtype: torch.dtype, disk_dir: str) -> list[Callable[[], Mode]]:
+    """Mode constructors in run order (built one at a time so only one holds memory)."""
+    from kvtier.client._backend import round_page
+
+    page = round_page(KVLayout.of(model.config, args.block_size, dtype).raw_bytes)
+    ctx_pages = args.max_context // args.block_size + 1
+    roomy = page * ctx_pages * args.conversations * 2
+    tight = page * ctx_pages  # one conversation: the others' prefixes live on disk
+    table: dict[str, Callable[[], Mode]] = {
+        "recompute": lambda: Recompute(model),
+        "kvtier-cpu": lambda: KVTier("kvtier-cpu", model, engine_config(
+            args, device, page, cpu_bytes=roomy), args, dtype),
+        "kvtier-disk": lambda: KVTier("kvtier-disk", model, engine_config(
+            args, device, page, cpu_bytes=tight, disk_path=disk_dir), args, dtype),
+        "hf-offloaded": lambda: HFOffloaded(model),
+    }
+    return [table[m] for m in args.modes.split(",") if m]
+
+
+def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
+    """Per turn index: mean context and mean TTFT per mode, and speedups over recompute."""
+    out = []
+    for t in sorted({r.turn for r in rows}):
+        line: dict[str, Any] = {"turn": t + 1}
+        for m in modes:
+            sel = [r for r in rows if r.turn == t and r.mode == m]
+            if sel:
+                line["context"] = round(statistics.mean(r.context for r in sel))
+                line[m] = statistics.mean(r.ttft_s for r in sel)
+        base = line.get("recompute")
+        for m in modes:
+            if base and m != "recompute" and line.get(m):
+                line[f"{m} speedup"] = base / line[m]
+        out.append(line)
+    return out
+
+
+def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, Any]) -> str:
+    cols = ["turn", "context", *[f"{m} TTFT ms" for m in modes],
+            *[f"{m} x" for m in modes if m != "recompute"]]
+    lines = [f"# Multi-turn TTFT ({meta['device']}, {meta['params_m']:.0f}M params, "
+             f"{meta['dtype']})", "", "| " + " | ".join(cols) + " |",
+             "|" + "---|" * len(cols)]
+    for s in summary:
+        cells = [str(s["turn"]), str(s.get("context", ""))]
+        cells += [f"{1000 * s[m]:.1f}" if m in s else "n/a" for m in modes]
+        cells += [f"{s[f'{m} speedup']:.1f}" if f"{m} speedup" in s else "n/a"
+                  for m in modes if m != "recompute"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Restored blocks by tier: {meta.get('restored_from', {})}",
+              f"Skipped modes: {meta.get('skipped', {}) or 'none'}", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[Turn], modes: list[str], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in modes:
+        pts = sorted((r.context, 1000 * r.ttft_s) for r in rows if r.mode == m)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=m)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, device, dtype = build_model(args.tiny)
+    trace = make_trace(args, model.config.vocab_size)
+    rows: list[Turn] = []
+    meta: dict[str, Any] = dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        dtype=str(dtype).removeprefix("torch."), args={k: str(v) for k, v in vars(args).items()},
+        params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+        kv_bytes_per_token=kv_bytes_per_token(model, dtype), restored_from={}, skipped={})
+    with tempfile.TemporaryDirectory(dir=args.disk_path or None) as disk_dir:
+        first_token(model, trace[0][0][0], DynamicCache(config=model.config))  # warm-up
+        for make in make_modes(args, model, device, dtype, disk_dir):
+            mode = make()
+            try:
+                rows += run_mode(mode, trace, device)
+            except Exception as exc:  # a baseline that doesn't apply here is reported, not fatal
+                meta["skipped"][mode.name] = f"{type(exc).__name__}: {exc}"
+            finally:
+                mode.close()
+                meta["restored_from"][mode.name] = getattr(mode, "restored_from", None)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    summary = summarize(rows, modes)
+    meta["restored_from"] = {k: v for k, v in meta["restored_from"].items() if v}
+    (args.out / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "turns": [asdict(r) for r in rows]}, indent=1))
+    (args.out / "results.md").write_text(markdown(summary, modes, meta))
+    plot(rows, modes, args.out / "ttft.png")
+    print((args.out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
