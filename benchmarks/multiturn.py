@@ -88,13 +88,13 @@ def build_model(tiny: bool) -> tuple[LlamaForCausalLM, torch.device, torch.dtype
             raise SystemExit("the full benchmark needs a CUDA GPU; use --tiny on CPU")
         cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                           num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                          max_position_embeddings=16384, rope_theta=500000.0)
+                          max_position_embeddings=16384)
         device, dtype = torch.device("cuda"), torch.bfloat16
     cfg.dtype = dtype
     torch.manual_seed(0)
     with device:
-        model = LlamaForCausalLM(cfg).to(dtype)
-    return model.eval(), device, dtype
+        model: Any = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval(), device, dtype
 
 
 def make_trace(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], list[int]]]]:
