@@ -10,8 +10,17 @@ Usage (TransformerEngine style)::
         x = sync_fn(x)
 
 Which saved tensors are offloaded: floating point, contiguous, not an ``nn.Parameter``, not passed
-to :func:`mark_not_offload`, at least ``min_numel`` elements, and on the CUDA device when CUDA is
-available. A tensor saved twice in one layer is copied once.
+to :func:`mark_not_offload`, at least ``min_numel`` elements, and on a CUDA or CPU device. A tensor
+saved twice in one layer is copied once.
+
+Every decision follows the saved tensor's own device, never whether CUDA is available: a CUDA
+tensor is copied on the offload stream (after an event on its device's compute stream) and reloaded
+on the reload stream; a CPU tensor is copied synchronously into its arena buffer when it is saved,
+exactly as on a machine without a GPU (so its saved value survives a later in-place write). A CUDA
+tensor written in place before its copy is known to be done raises :class:`OffloadRaceError` (the
+copy may have read either value). Tensors that are kept (not offloaded) get autograd's own check
+back: the saved-tensor hooks would otherwise hide an in-place write after the save and silently
+give wrong gradients.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch
 
 from kvtier.errors import InvalidArgument
 from kvtier.training.base import BufferArena, OffloadRaceError, default_arena, get_buffer, typed
-from kvtier.training.streams import StreamPair
+from kvtier.training.streams import CopyDone, StreamPair
 
 DEFAULT_MIN_NUMEL = 256 * 1024
 _NO_OFFLOAD_ATTR = "_kvtier_no_offload"
@@ -77,10 +86,30 @@ class _Saved:
         self.raw: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
         self.dev: torch.Tensor | None = None
-        self.copy_done: Any = None
-        self.reload_done: Any = None
+        self.copy_done: CopyDone | None = None
+        self.reload_done: CopyDone | None = None
         self.refs = 0
         self.owner = owner
+
+
+class _Kept:
+    """A saved tensor left where it is, with its version at save time (autograd's own check)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.version = t._version
+
+    def get(self) -> torch.Tensor:
+        if self.t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{self.t.dtype}{list(self.t.shape)}] is at version "
+                f"{self.t._version}; expected version {self.version} instead (saved while the "
+                "kvtier activation offloader was active, which kept it on its device)"
+            )
+        return self.t
 
 
 class _Ref:
@@ -125,13 +154,13 @@ class ActivationOffloader:
             and not isinstance(t, torch.nn.Parameter)
             and not getattr(t, _NO_OFFLOAD_ATTR, False)
             and t.is_contiguous()
-            and (t.device.type == "cuda" or not torch.cuda.is_available())
+            and t.device.type in ("cuda", "cpu")
         )
 
     def pack(self, t: torch.Tensor) -> Any:
         if not self.should_offload(self.group) or not self.eligible(t):
             self.stats.kept_tensors += 1
-            return t
+            return _Kept(t)
         key = (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
         hit = self._dedup.get(key)
         if hit is not None and hit[0]() is t:
@@ -147,8 +176,8 @@ class ActivationOffloader:
         return _Ref(rec)
 
     def unpack(self, ref: Any) -> torch.Tensor:
-        if isinstance(ref, torch.Tensor):
-            return ref
+        if isinstance(ref, _Kept):
+            return ref.get()
         rec: _Saved = ref.rec
         if rec.src is not None:
             self._check_version(rec)
@@ -170,7 +199,7 @@ class ActivationOffloader:
         rec.raw = get_buffer(self.arena, src.numel() * src.element_size())
         rec.host = typed(rec.raw, 0, src.shape, src.dtype)
         rec.copy_done = self.streams.d2h_copy(rec.host, src)
-        if rec.copy_done is None:  # synchronous (no CUDA): the device copy can go right away
+        if rec.copy_done is None:  # not a CUDA tensor: copied synchronously, ``src`` can go now
             rec.src = None
 
     def _release(self, rec: _Saved) -> None:

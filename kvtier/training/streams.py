@@ -1,9 +1,12 @@
 """Copy streams and events for the training primitives.
 
-``StreamPair`` owns one device->host and one host->device stream (created lazily, on the device of
-the first tensor copied). Every copy is ordered after an event recorded on the caller's (compute)
-stream and returns an event recorded after it; without CUDA every copy is synchronous and the
-returned event is ``None``. Callers hand events back through ``wait_on_compute``/``synchronize``.
+Every decision follows the devices of the tensors being copied, never ``torch.cuda.is_available()``:
+a copy between CPU tensors is synchronous (``dst.copy_(src)``, no event, the result is ``None``)
+even on a machine with a GPU; a copy touching a CUDA tensor runs on a side stream of that tensor's
+device (one device->host and one host->device stream per device, created lazily), ordered after an
+event recorded on that device's current (compute) stream, and returns a :class:`CopyDone` (the
+completion event and its device). Callers hand those back through ``wait_on_compute``
+(device-side ordering on the right device's current stream) or ``synchronize`` (host blocking).
 """
 
 from __future__ import annotations
@@ -13,42 +16,72 @@ from typing import Any
 import torch
 
 
+class CopyDone:
+    """Completion of one batch of side-stream copies: a CUDA event and the device it is on."""
+
+    __slots__ = ("device", "event")
+
+    def __init__(self, event: Any, device: torch.device) -> None:
+        self.event = event
+        self.device = device
+
+    def wait_on(self, stream: Any) -> None:
+        stream.wait_event(self.event)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+
+def cuda_device_of(*ts: torch.Tensor) -> torch.device | None:
+    """The device of the first CUDA tensor among ``ts`` (None: every copy is host-only)."""
+    for t in ts:
+        if t.device.type == "cuda":
+            return t.device
+    return None
+
+
+def _key(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class StreamPair:
-    """Side streams for copies in both directions, ordered against the compute stream."""
+    """Side streams for copies in both directions, ordered against the compute stream.
+
+    ``d2h``/``h2d`` may be given streams; each is used for copies on its own device only."""
 
     def __init__(self, d2h: Any = None, h2d: Any = None) -> None:
-        self._d2h = d2h
-        self._h2d = h2d
-
-    @staticmethod
-    def _cuda_of(*ts: torch.Tensor) -> torch.device | None:
-        for t in ts:
-            if t.device.type == "cuda":
-                return t.device
-        return None
+        self._streams: dict[tuple[str, int], Any] = {}
+        for which, s in (("d2h", d2h), ("h2d", h2d)):
+            if s is not None:
+                self._streams[(which, _key(s.device))] = s
 
     def _stream(self, which: str, device: torch.device) -> Any:
-        s = getattr(self, which)
+        key = (which, _key(device))
+        s = self._streams.get(key)
         if s is None:
             s = torch.cuda.Stream(device=device)
-            setattr(self, which, s)
+            self._streams[key] = s
         return s
 
     def copy_many(self, which: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-                  after: Any = None) -> Any:
+                  after: Any = None) -> CopyDone | None:
         """``dst.copy_(src)`` for each pair on the ``"d2h"`` or ``"h2d"`` stream, ordered after
-        the compute stream's work so far (and ``after``: an event or a list of events, ``None``
-        entries skipped); returns one completion event."""
-        device = self._cuda_of(*dsts, *srcs)
+        the compute stream's work so far (and ``after``: a :class:`CopyDone` or a list of them,
+        ``None`` entries skipped); returns one completion (``None`` when no CUDA tensor is
+        involved: the copies are then already done)."""
+        device = cuda_device_of(*dsts, *srcs)
         if device is None:
             for d, s in zip(dsts, srcs, strict=True):
                 d.copy_(s)
             return None
-        stream = self._stream("_" + which, device)
+        stream = self._stream(which, device)
         stream.wait_event(torch.cuda.current_stream(device).record_event())
-        for event in after if isinstance(after, list | tuple) else [after]:
-            if event is not None:
-                stream.wait_event(event)
+        for done in after if isinstance(after, list | tuple) else [after]:
+            if done is not None:
+                done.wait_on(stream)
         with torch.cuda.stream(stream):
             for d, s in zip(dsts, srcs, strict=True):
                 d.copy_(s, non_blocking=True)
@@ -57,25 +90,27 @@ class StreamPair:
                 for t in (d, s):
                     if t.device.type == "cuda":
                         t.record_stream(stream)
-            return stream.record_event()
+            return CopyDone(stream.record_event(), device)
 
-    def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
-        """Start ``dst.copy_(src)`` on the D2H stream; returns its completion event (or None)."""
+    def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None
+                 ) -> CopyDone | None:
+        """Start ``dst.copy_(src)`` on the D2H stream; returns its completion (or None)."""
         return self.copy_many("d2h", [dst], [src], after)
 
-    def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
-        """Start ``dst.copy_(src)`` on the H2D stream; returns its completion event (or None)."""
+    def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None
+                 ) -> CopyDone | None:
+        """Start ``dst.copy_(src)`` on the H2D stream; returns its completion (or None)."""
         return self.copy_many("h2d", [dst], [src], after)
 
     @staticmethod
-    def wait_on_compute(event: Any) -> None:
-        """Make the current stream wait for ``event`` (no host blocking)."""
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+    def wait_on_compute(done: CopyDone | None) -> None:
+        """Make the current stream of ``done``'s device wait for it (no host blocking)."""
+        if done is not None:
+            done.wait_on(torch.cuda.current_stream(done.device))
 
     @staticmethod
-    def synchronize(*events: Any) -> None:
-        """Block the host until every event is done (host buffers may then be reused)."""
-        for e in events:
-            if e is not None:
-                e.synchronize()
+    def synchronize(*dones: CopyDone | None) -> None:
+        """Block the host until every copy is done (host buffers may then be reused)."""
+        for d in dones:
+            if d is not None:
+                d.synchronize()

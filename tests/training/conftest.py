@@ -14,6 +14,8 @@ from torch import nn
 from kvtier.tiers.pinned import HostArena
 
 HIDDEN, HEADS, VOCAB, SEQ = 64, 4, 97, 32
+# read once at import: some tests make CUDA look available while their tensors stay on the CPU
+HAS_CUDA = torch.cuda.is_available()
 
 
 class Block(nn.Module):
@@ -77,5 +79,5 @@ def tiny() -> SimpleNamespace:
 
 @pytest.fixture
 def arena() -> Any:
-    with HostArena(256 << 20, 4 << 20, pin=torch.cuda.is_available()) as a:
+    with HostArena(256 << 20, 4 << 20, pin=HAS_CUDA) as a:
         yield a

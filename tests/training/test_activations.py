@@ -11,6 +11,24 @@ from torch import nn
 
 from kvtier.errors import InvalidArgument
 from kvtier.training import get_cpu_offload_context, mark_not_offload, offload_modules
+from kvtier.training.base import OffloadRaceError
+
+
+def _no_cuda_api(*_a: Any, **_k: Any) -> Any:
+    raise AssertionError("a CUDA API was called while every tensor is on the CPU")
+
+
+@pytest.fixture(autouse=True, params=["plain", "cuda_visible"])
+def cuda_visible(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test runs twice: as is, and with CUDA "available" while its tensors stay on the CPU
+    (what a GPU machine sees running these tests). The second run fails on any CUDA stream or event
+    call: CPU tensors must take the synchronous path, chosen by their device."""
+    if request.param == "plain" or request.node.get_closest_marker("cuda") is not None:
+        return False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("current_stream", "Stream", "Event", "stream", "synchronize", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, _no_cuda_api)
+    return True
 
 
 def grads_of(model: nn.Module) -> list[torch.Tensor]:
@@ -82,6 +100,81 @@ def test_tensor_overwritten_in_place_after_save_keeps_saved_value(arena: Any) ->
         a.mul_(3)  # overwritten right after the save: the copy must already hold the old value
     sync(y).backward()
     assert torch.allclose(w.grad, 8 * w.detach())
+
+
+def test_kept_tensor_overwritten_in_place_raises_like_autograd(arena: Any) -> None:
+    """A tensor the offloader keeps (below ``min_numel``) gets autograd's version check back."""
+    w = torch.randn(8, 8, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(True, 1, 1, arena=arena, min_numel=1 << 20)
+    with ctx:
+        a = w * 2
+        y = (a * a).sum()
+        a.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sync(y).backward()
+    assert ctx.stats.offloaded_tensors == 0 and ctx.stats.kept_tensors > 0
+
+
+def test_cpu_tensors_offload_when_cuda_is_visible(cuda_visible: bool, arena: Any) -> None:
+    """The decision follows the tensor's device, not ``torch.cuda.is_available()``."""
+    w = torch.randn(256, 256, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(True, 1, 2, arena=arena, min_numel=1)
+    with ctx:
+        h = sync((w * w).tanh())
+    with ctx:
+        y = sync((h * h).sum())
+    y.backward()
+    assert ctx.stats.offloaded_tensors > 0
+    assert ctx.stats.reloaded_bytes == ctx.stats.offloaded_bytes
+    ref = w.detach().clone().requires_grad_(True)
+    h2 = (ref * ref).tanh()
+    (h2 * h2).sum().backward()
+    assert torch.equal(w.grad, ref.grad)
+    assert arena.used_bytes == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_identical_gradients(tiny: SimpleNamespace, arena: Any) -> None:
+    model = tiny.make_model().cuda()
+    ids = tiny.batch(0).cuda()
+
+    def grads(run: Any = None) -> list[torch.Tensor]:
+        model.zero_grad()
+        model(ids, run).backward()
+        torch.cuda.synchronize()
+        return grads_of(model)
+
+    ref = grads()
+    ctx, sync = get_cpu_offload_context(True, 1, 2, arena=arena, min_numel=1024)
+
+    def run(i: int, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with ctx:
+            x = blk(x)
+        return sync(x)
+
+    for _ in range(2):
+        got = grads(run)
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                   for a, b in zip(ref, got, strict=True))
+    assert ctx.stats.offloaded_tensors > 0
+    assert ctx.stats.reloaded_bytes == ctx.stats.offloaded_bytes
+    assert arena.used_bytes == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensor_overwritten_in_place_is_reported(arena: Any) -> None:
+    """On CUDA the copy runs on a side stream: an in-place write after the save races with it,
+    so it is an error (deterministic: it is seen through the version counter)."""
+    w = torch.randn(512, 600, device="cuda", requires_grad=True)
+    ctx, sync = get_cpu_offload_context(True, 1, 1, arena=arena, min_numel=1)
+    with ctx:
+        a = w * 2
+        y = (a * a).sum()
+        a.mul_(3)
+    with pytest.raises(OffloadRaceError):
+        sync(y).backward()
 
 
 def test_offload_modules_by_name(tiny: SimpleNamespace, arena: Any) -> None:
