@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache tiering daemon.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    sub.add_parser("status", help="show a running daemon's state").set_defaults(
-        func=_not_implemented("status"))
+    from kvtier.cli_status import add_status_parser
+
+    add_status_parser(sub)
     sub.add_parser("bench", help="measure transfer throughput").set_defaults(
         func=_not_implemented("bench"))
     return parser

@@ -1,0 +1,178 @@
+"""``kvtier status``: one Stats call against a running daemon, printed as a table or JSON.
+
+Exit 0 on success, 1 when no daemon answers at the address (the message names it), 2 on a bad
+``--token-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+DEFAULT_TIMEOUT = 5.0
+STATUS_TENANT = "kvtier-status"
+
+
+def default_address() -> str:
+    """The daemon's default unix socket, resolved exactly as ``kvtier serve`` resolves it."""
+    from kvtier.server.app import SOCKET_NAME, default_socket_dir
+
+    return f"unix://{os.path.join(default_socket_dir(), SOCKET_NAME)}"
+
+
+def read_token(path: str | None) -> str | None:
+    """The token file's first line (as the daemon reads it), or None without a file."""
+    if not path:
+        return None
+    from kvtier.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.readline().strip() or None
+    except OSError as exc:
+        raise ConfigError(f"--token-file: cannot read {path!r}: {exc}") from exc
+
+
+def add_connection_flags(p: argparse.ArgumentParser, *, address_help: str = "") -> None:
+    p.add_argument("--address", metavar="ADDR", default=None,
+                   help=address_help or "daemon address: unix:///path or host:port "
+                   "(default: the daemon's default unix socket, as `kvtier serve` uses)")
+    p.add_argument("--token-file", metavar="FILE", default=None,
+                   help="file whose first line is the bearer token (TCP addresses)")
+
+
+def add_status_flags(p: argparse.ArgumentParser) -> None:
+    add_connection_flags(p)
+    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help=argparse.SUPPRESS)
+
+
+def not_running(address: str) -> str:
+    return f"no kvtier daemon at {address}: is `kvtier serve` running?"
+
+
+def fetch_stats(address: str, token: str | None, timeout: float) -> Any:
+    """One Stats reply; raises ``kvtier.client.errors.Unavailable`` when nobody answers."""
+    from kvtier.client import KVTierClient
+
+    with KVTierClient(address, STATUS_TENANT, token, timeout=timeout) as client:
+        return client.stats()
+
+
+def stats_dict(reply: Any) -> dict[str, Any]:
+    """A StatsReply as plain JSON-able data (ints stay ints)."""
+    from kvtier.types import Tier
+
+    tiers = [
+        {"tier": Tier(t.tier).name.lower(), "used_bytes": t.used_bytes,
+         "capacity_bytes": t.capacity_bytes, "pages": t.pages,
+         "ratio": t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0}
+        for t in reply.tiers
+    ]
+    moved = {
+        m.direction: {"bytes": m.bytes, "pages": m.pages, "batches": m.batches,
+                      "seconds": m.seconds, "failures": m.failures}
+        for m in reply.moved
+    }
+    return {
+        "version": reply.version, "instance": reply.instance, "tiers": tiers,
+        "pools": reply.pools, "tenants": reply.tenants,
+        "queues": {"restores": reply.queued_restores, "offloads": reply.queued_offloads,
+                   "inflight_bytes": reply.inflight_bytes},
+        "pinned_pages": reply.pinned_pages, "keyed_pages": reply.keyed_pages,
+        "moved": moved, "evictions": dict(reply.evictions), "drops": dict(reply.drops),
+        "hits": dict(reply.hits), "misses": reply.misses,
+        "checksum_failures": reply.checksum_failures,
+    }
+
+
+def human_bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    value, i = float(n), 0
+    while abs(value) >= 1024 and i < len(units) - 1:
+        value, i = value / 1024, i + 1
+    return f"{int(value)} B" if i == 0 else f"{value:.1f} {units[i]}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned first column, right-aligned others."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _tier_rows(d: dict[str, Any]) -> list[list[str]]:
+    return [[t["tier"], human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]),
+             str(t["pages"]), f"{t['ratio']:.1%}", str(d["hits"].get(t["tier"], 0)),
+             str(d["evictions"].get(t["tier"], 0))] for t in d["tiers"]]
+
+
+def _moved_rows(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, m in sorted(d["moved"].items()):
+        rate = m["bytes"] / m["seconds"] / 1e9 if m["seconds"] > 0 else 0.0
+        rows.append([name, human_bytes(m["bytes"]), str(m["pages"]), str(m["batches"]),
+                     f"{rate:.2f}", str(m["failures"])])
+    return rows
+
+
+def _counts(title: str, counts: dict[str, int]) -> str:
+    body = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
+    return f"{title}: {body}"
+
+
+def render(d: dict[str, Any], address: str) -> str:
+    q = d["queues"]
+    parts = [
+        f"kvtier {d['version']} at {address} (instance {d['instance']})",
+        f"engines: {d['tenants']} tenants, {d['pools']} pools attached; "
+        f"pinned pages {d['pinned_pages']}, keyed pages {d['keyed_pages']}",
+        "",
+        table(["tier", "used", "capacity", "pages", "ratio", "hits", "evictions"],
+              _tier_rows(d)),
+        "",
+        f"queues: restores={q['restores']} offloads={q['offloads']} "
+        f"inflight={human_bytes(q['inflight_bytes'])}",
+        "",
+        table(["direction", "bytes", "pages", "batches", "GB/s", "failures"], _moved_rows(d)),
+        "",
+        _counts("hits", d["hits"]) + f"; misses={d['misses']}",
+        _counts("evictions", d["evictions"]),
+        _counts("drops", d["drops"]),
+        f"checksum failures: {d['checksum_failures']}",
+    ]
+    return "\n".join(parts)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from kvtier.errors import DeadlineExceeded, Unavailable
+
+    address = args.address or default_address()
+    token = read_token(args.token_file)
+    try:
+        reply = fetch_stats(address, token, args.timeout)
+    except (Unavailable, DeadlineExceeded):
+        print(f"kvtier status: {not_running(address)}", file=sys.stderr)
+        return 1
+    d = stats_dict(reply)
+    if args.json:
+        print(json.dumps({"address": address, **d}, indent=2, sort_keys=True))
+    else:
+        print(render(d, address))
+    return 0
+
+
+def add_status_parser(sub: Any) -> None:
+    """Wire ``kvtier status`` into the CLI's subparsers."""
+    p = sub.add_parser("status", help="show a running daemon's state",
+                       description="Show a running daemon's tiers, queues and counters.")
+    add_status_flags(p)
+    p.set_defaults(func=run_status)
