@@ -267,10 +267,13 @@ class TierEngine:
                 core.cancel(page)
         on_cpu = [p for p in pages if p.state is PageState.CPU]
         on_disk = [p for p in pages if p.state is PageState.DISK]
-        short = len(on_cpu) - pool.dev.num_free
+        # GPU room first: the victims need CPU slots that disk restores would otherwise take.
+        short = len(on_cpu) + len(on_disk) - pool.dev.num_free
         if short > 0:
             self._make_room(pool, short, wanted)
-        began = core.restore_cpu(pool, on_cpu) + core.restore_disk(on_disk)
+        began = core.restore_cpu(pool, on_cpu)
+        if short <= 0:
+            began += core.restore_disk(on_disk)
         for page in on_cpu + on_disk:
             core.counters.hits[page.tier] += int(page.moving)
         return began > 0 or any(p.moving for p in pages)

@@ -39,6 +39,10 @@ def _direction(d: Direction) -> str:
     return d.name.lower()
 
 
+# Every reason the engine can drop a page for: exported at 0 so dashboards and alerts see them.
+DROP_REASONS = ("cpu_full", "corrupt", "disk_full", "no_admission")
+
+
 class EngineCollector(Collector):
     """Reads one stats snapshot per scrape; drains restore latencies into a histogram."""
 
@@ -113,8 +117,8 @@ class EngineCollector(Collector):
             ev.add_metric([_tier(t)], c.evictions.get(t, 0))
             hits.add_metric([_tier(t)], c.hits.get(t, 0))
         drops = CounterMetricFamily("kvtier_drops_total", "Pages dropped.", labels=["reason"])
-        for reason, n in sorted(c.drops.items()):
-            drops.add_metric([reason], n)
+        for reason in sorted(set(DROP_REASONS) | set(c.drops)):
+            drops.add_metric([reason], c.drops.get(reason, 0))
         yield from (ev, hits, drops)
         yield CounterMetricFamily("kvtier_misses_total", "Lookup misses.", value=c.misses)
         yield CounterMetricFamily(
