@@ -53,6 +53,7 @@ class Turn:
     reused: int
     ttft_s: float
     first_token: int
+    restore_s: float = 0.0  # part of ttft_s spent bringing the prefix back
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,6 +123,7 @@ class Mode:
     """One way to serve a turn: ``ttft`` is timed; ``after`` (saving for the next turn) is not."""
 
     name = ""
+    restore_s = 0.0  # set by ttft() when it restores a prefix
 
     def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
         """Return (tokens reused, first token)."""
@@ -146,7 +148,7 @@ def run_mode(mode: Mode, trace: list, device: torch.device) -> list[Turn]:
             reused, tok = mode.ttft(c, prompt)
             sync(device)
             rows.append(Turn(mode.name, c, t, len(prompt), reused,
-                             time.perf_counter() - start, tok))
+                             time.perf_counter() - start, tok, mode.restore_s))
             mode.after(c, prompt)
             history[c] = prompt + reply
     return rows
@@ -176,7 +178,10 @@ class KVTier(Mode):
         self._cache: DynamicCache | None = None
 
     def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
+        start = time.perf_counter()
         cache = self.store.restore(prompt)
+        sync(self.model.device)
+        self.restore_s = time.perf_counter() - start
         n = cache.restored_tokens
         tok = first_token(self.model, prompt[n:], cache)
         self._cache = cache
@@ -258,6 +263,7 @@ def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
             if sel:
                 line["context"] = round(statistics.mean(r.context for r in sel))
                 line[m] = statistics.mean(r.ttft_s for r in sel)
+                line[f"{m} restore"] = statistics.mean(r.restore_s for r in sel)
         base = line.get("recompute")
         for m in modes:
             if base and m != "recompute" and line.get(m):
@@ -267,7 +273,9 @@ def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
 
 
 def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, Any]) -> str:
+    restoring = [m for m in modes if m.startswith("kvtier")]
     cols = ["turn", "context", *[f"{m} TTFT ms" for m in modes],
+            *[f"{m} restore ms" for m in restoring],
             *[f"{m} x" for m in modes if m != "recompute"]]
     lines = [f"# Multi-turn TTFT ({meta['device']}, {meta['params_m']:.0f}M params, "
              f"{meta['dtype']})", "", "| " + " | ".join(cols) + " |",
@@ -275,6 +283,7 @@ def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, An
     for s in summary:
         cells = [str(s["turn"]), str(s.get("context", ""))]
         cells += [f"{1000 * s[m]:.1f}" if m in s else "n/a" for m in modes]
+        cells += [f"{1000 * s[f'{m} restore']:.1f}" for m in restoring]
         cells += [f"{s[f'{m} speedup']:.1f}" if f"{m} speedup" in s else "n/a"
                   for m in modes if m != "recompute"]
         lines.append("| " + " | ".join(cells) + " |")
