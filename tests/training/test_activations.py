@@ -129,6 +129,7 @@ def test_cpu_tensors_offload_when_cuda_is_visible(cuda_visible: bool, arena: Any
     ref = w.detach().clone().requires_grad_(True)
     h2 = (ref * ref).tanh()
     (h2 * h2).sum().backward()
+    assert w.grad is not None and ref.grad is not None
     assert torch.equal(w.grad, ref.grad)
     assert arena.used_bytes == 0
 
