@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier.cli_status import add_status_parser
 
     add_status_parser(sub)
-    sub.add_parser("bench", help="measure transfer throughput").set_defaults(
-        func=_not_implemented("bench"))
+    from kvtier.cli_bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
