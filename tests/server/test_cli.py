@@ -40,7 +40,3 @@ def test_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _config(args)
     assert cfg.device == "cpu" and cfg.listen == ("unix:///a.sock", "unix:///b.sock")
 
-
-@pytest.mark.parametrize("command", ["status", "bench"])
-def test_placeholders_exit_2(command: str) -> None:
-    assert main([command]) == 2
