@@ -8,6 +8,7 @@ given, and then a token is required (checked by ``interceptors.Gate``; health is
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import Mapping
@@ -17,7 +18,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from kvtier.config import ENV_PREFIX, MIB, OffloadConfig
 from kvtier.errors import ConfigError
@@ -28,6 +28,7 @@ from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
 
+log = logging.getLogger(__name__)
 SERVICE = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 SOCKET_NAME = "kvtier.sock"
 
@@ -111,10 +112,19 @@ def create_server(
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    _enable_reflection(server)
     return KVTierServer(server, health, draining, executor, instance), _bind(server, addrs)
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Reflection is a debugging aid: without grpcio-reflection the daemon still serves."""
+    try:
+        from grpc_reflection.v1alpha import reflection
+    except ImportError:
+        log.warning("server reflection disabled: install grpcio-reflection to enable it")
+        return
+    health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE, health, reflection.SERVICE_NAME), server)
 
 
 def _bind(server: grpc.aio.Server, addrs: list[str]) -> list[str]:
