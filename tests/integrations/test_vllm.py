@@ -105,3 +105,22 @@ def test_prefix_loaded_from_disk(references, daemon_factory, tmp_path: Path) -> 
         reply = client.stats()
     hits = {k.lower(): v for k, v in reply.hits.items()}
     assert hits.get("disk", 0) > 0, reply
+
+
+def test_corrupt_pages_are_recomputed(references, daemon_factory, tmp_path: Path) -> None:
+    """Stored blocks whose bytes rot on disk fail to load; vLLM recomputes them: same output."""
+    model, expected = references["gqa-2layers"]
+    p = prompts()
+    rng = random.Random(1)
+    fillers = [[rng.randrange(4, 512) for _ in range(300)] for _ in range(6)]
+    disk = tmp_path / "disk"
+    address = daemon_factory(cpu_gb=1 / 1024, disk=disk)
+    run_engine(tmp_path, "first", model, [[p["A"]], fillers], kv_config(address, tmp_path, "f"))
+    for data in disk.glob("pages-*.dat"):
+        with open(data, "r+b") as fh:
+            fh.write(os.urandom(data.stat().st_size))
+    got = run_engine(tmp_path, "second", model, [[p["B"]], [p["C"]]],
+                     kv_config(address, tmp_path, "second"))
+    assert got == expected
+    s = stats(tmp_path, "second")
+    assert s["load_failed_blocks"] > 0 and s["loaded_blocks"] * BLOCK < 64 + 96
