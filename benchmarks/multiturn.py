@@ -268,6 +268,8 @@ def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
         for m in modes:
             if base and m != "recompute" and line.get(m):
                 line[f"{m} speedup"] = base / line[m]
+            if base and line.get(f"{m} restore"):
+                line[f"{m} restore speedup"] = base / line[f"{m} restore"]
         out.append(line)
     return out
 
@@ -276,7 +278,8 @@ def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, An
     restoring = [m for m in modes if m.startswith("kvtier")]
     cols = ["turn", "context", *[f"{m} TTFT ms" for m in modes],
             *[f"{m} restore ms" for m in restoring],
-            *[f"{m} x" for m in modes if m != "recompute"]]
+            *[f"{m} x" for m in modes if m != "recompute"],
+            *[f"{m} prefix x" for m in restoring]]
     lines = [f"# Multi-turn TTFT ({meta['device']}, {meta['params_m']:.0f}M params, "
              f"{meta['dtype']})", "", "| " + " | ".join(cols) + " |",
              "|" + "---|" * len(cols)]
@@ -286,8 +289,12 @@ def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, An
         cells += [f"{1000 * s[f'{m} restore']:.1f}" for m in restoring]
         cells += [f"{s[f'{m} speedup']:.1f}" if f"{m} speedup" in s else "n/a"
                   for m in modes if m != "recompute"]
+        cells += [f"{s[f'{m} restore speedup']:.1f}" if f"{m} restore speedup" in s else "n/a"
+                  for m in restoring]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Restored blocks by tier: {meta.get('restored_from', {})}",
+    lines += ["", "`x` = recompute TTFT / mode TTFT. `prefix x` = recompute TTFT / time to restore "
+              "the prefix (the part kvtier owns; the rest of TTFT is the suffix prefill).",
+              "", f"Restored blocks by tier: {meta.get('restored_from', {})}",
               f"Skipped modes: {meta.get('skipped', {}) or 'none'}", ""]
     return "\n".join(lines)
 
