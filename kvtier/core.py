@@ -37,6 +37,7 @@ from kvtier.types import Direction, PageId, PageState, PoolId, Tier
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
 
+_GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -233,7 +234,7 @@ class EngineCore:
     ) -> Move:
         pool = (
             self.pools[page.pool_id]
-            if page.pool_id is not None and Tier.GPU in direction.value
+            if page.pool_id is not None and direction in _GPU_SIDE
             else None
         )
         self.unsettle(page)
@@ -303,7 +304,9 @@ class EngineCore:
 
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
+        """Finish a batch under one lock hold; slots are returned per tier in bulk."""
         with self.cond:
+            frees = _Frees()
             for move, ok in zip(moves, results, strict=True):
                 c = self.counters.moved[move.direction]
                 if ok:
@@ -311,31 +314,32 @@ class EngineCore:
                     c.pages += 1
                 else:
                     c.failures += 1
-                self._finish(move, ok)
+                self._finish(move, ok, frees)
+            frees.apply(self)
             if moves:
                 self.counters.moved[moves[0].direction].batches += 1
                 self.counters.moved[moves[0].direction].seconds += seconds
             self.cond.notify_all()
 
-    def _finish(self, move: Move, ok: bool) -> None:
+    def _finish(self, move: Move, ok: bool, frees: _Frees | None = None) -> None:
         page = move.page
         if move.copy or page is None:
             move.result = ok
             return
         page.move = None
-        src, dst = move.direction.src, move.direction.dst
+        src, dst = move.direction._value_
         pool = self.pools.get(page.pool_id) if page.pool_id is not None else None
         if pool is not None and move.direction is Direction.GPU_TO_CPU:
             pool.moving_down -= 1
         if ok:
-            self.free_slot(page.page_size, src, move.src, pool)
+            if frees is None:
+                self.free_slot(page.page_size, src, move.src, pool)
+            else:
+                frees.add(src, pool, page.page_size, move.src)
             self.settle(page, dst, move.dst)
             if dst is Tier.DISK and page.key is not None and self.disk is not None:
-                self.disk.set_record(
-                    page.page_size,
-                    move.dst,  # type: ignore[arg-type]
-                    DiskRecord(key=page.key, tenant=page.tenant),
-                )
+                record = DiskRecord(key=page.key, tenant=page.tenant)
+                self.disk.set_record(page.page_size, DiskSlot(move.dst), record)
             self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
         else:
             self.free_slot(page.page_size, dst, move.dst, pool)
@@ -345,6 +349,8 @@ class EngineCore:
                 self.counters.checksum_failures += 1
                 self.drop(page, "corrupt")
         if page.doomed:
+            if frees is not None:
+                frees.apply(self)  # the page's own slots must be settled before it goes
             self.release_page(page)
             self.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
 
@@ -365,3 +371,31 @@ class EngineCore:
         page.move = None
         self.free_slot(page.page_size, move.direction.dst, move.dst)
         self.settle(page, move.direction.src, move.src)
+
+
+class _Frees:
+    """Source slots of a completed batch, returned to their tiers in one call per tier."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[Tier, int], tuple[Pool | None, list[int]]] = {}
+
+    def add(self, tier: Tier, pool: Pool | None, page_size: int, slot: int) -> None:
+        key = (tier, pool.pool_id if tier is Tier.GPU and pool is not None else page_size)
+        entry = self._slots.get(key)
+        if entry is None:
+            entry = self._slots[key] = (pool, [])
+        entry[1].append(slot)
+
+    def apply(self, core: EngineCore) -> None:
+        for (tier, key), (pool, slots) in self._slots.items():
+            if tier is Tier.GPU:
+                assert pool is not None
+                pool.dev.free(slots)
+            elif tier is Tier.CPU:
+                core.host.free(key, slots)
+            else:
+                assert core.disk is not None
+                core.disk.free(key, slots)
+        self._slots.clear()

@@ -90,15 +90,21 @@ class TransferScheduler:
         with self._cond:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
+            front: dict[int, list[Move]] = {}
             for move in moves:
                 if move.direction not in self._handlers:
                     raise Unavailable(f"no handler for {move.direction.name}")
                 lane = self._lanes[_LANE_OF[move.direction]]
                 queue = lane.restores if move.direction.is_restore else lane.offloads
                 if move.urgent:
-                    queue.appendleft(move)
+                    front.setdefault(id(queue), []).append(move)
                 else:
                     queue.append(move)
+            for lane in self._lanes.values():
+                for queue in (lane.restores, lane.offloads):
+                    urgent = front.get(id(queue))
+                    if urgent:  # ahead of the queue, in the order given
+                        queue.extendleft(reversed(urgent))
             self._cond.notify_all()
 
     def cancel(self, move: Move) -> bool:

@@ -46,17 +46,19 @@ class Direction(enum.Enum):
     CPU_TO_DISK = (Tier.CPU, Tier.DISK)
     DISK_TO_CPU = (Tier.DISK, Tier.CPU)
 
+    # ``_value_`` rather than ``value``: these sit on per-page hot paths and the enum descriptor
+    # behind ``value`` costs more than the rest of the lookup.
     @property
     def src(self) -> Tier:
-        return self.value[0]
+        return self._value_[0]  # type: ignore[no-any-return]
 
     @property
     def dst(self) -> Tier:
-        return self.value[1]
+        return self._value_[1]  # type: ignore[no-any-return]
 
     @property
     def is_restore(self) -> bool:
-        return self.dst < self.src
+        return self._value_[1] < self._value_[0]  # type: ignore[no-any-return]
 
 
 @dataclass(slots=True, frozen=True)
