@@ -50,15 +50,15 @@ class Direction(enum.Enum):
     # behind ``value`` costs more than the rest of the lookup.
     @property
     def src(self) -> Tier:
-        return self._value_[0]  # type: ignore[no-any-return]
+        return self._value_[0]
 
     @property
     def dst(self) -> Tier:
-        return self._value_[1]  # type: ignore[no-any-return]
+        return self._value_[1]
 
     @property
     def is_restore(self) -> bool:
-        return self._value_[1] < self._value_[0]  # type: ignore[no-any-return]
+        return self._value_[1] < self._value_[0]
 
 
 @dataclass(slots=True, frozen=True)
