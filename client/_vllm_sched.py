@@ -62,7 +62,9 @@ class LoadStorePlanner:
         if len(cached) >= n:
             return cached[:n]
         hashes = getattr(request, "block_hashes", None) or []
-        if self.use_engine_hashes and len(hashes) >= n:
+        # One engine hash per block of ours, or they were hashed at another granularity.
+        same_blocks = len(hashes) == request.num_tokens // self.block_size
+        if self.use_engine_hashes and same_blocks and len(hashes) >= n:
             keys = cached + rekey(hashes[len(cached) : n], ns=self.ns)
         else:
             keys = chain_keys(list(request.all_token_ids[: n * self.block_size]),
