@@ -264,43 +264,34 @@ class EngineCore:
         by_size: dict[int, list[Page]] = {}
         for p in todo:
             by_size.setdefault(p.page_size, []).append(p)
-        moves: list[Move] = []
+        out = _Chunks(self.scheduler, self.config.batch_bytes)
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
             for page, slot in zip(group, slots, strict=False):
-                moves.append(
-                    self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent, submit=False)
-                )
-        self.scheduler.submit(moves)
-        return len(moves)
+                out.add(self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent, submit=False))
+        return out.flush()
 
     def restore_cpu(self, pool: Pool, pages: list[Page], *, urgent: bool = True) -> int:
         """Queue CPU->GPU for as many pages as the pool has free slots."""
         slots = pool.dev.alloc(len(pages)) if pages else []
         if slots is None:
             slots = pool.dev.alloc(min(pool.dev.num_free, len(pages))) or []
-        self.scheduler.submit(
-            [
-                self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent, submit=False)
-                for page, slot in zip(pages, slots, strict=False)
-            ]
-        )
-        return len(slots)
+        out = _Chunks(self.scheduler, self.config.batch_bytes)
+        for page, slot in zip(pages, slots, strict=False):
+            out.add(self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent, submit=False))
+        return out.flush()
 
     def restore_disk(self, pages: list[Page]) -> int:
         """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
         by_size: dict[int, list[Page]] = {}
         for page in pages:
             by_size.setdefault(page.page_size, []).append(page)
-        moves: list[Move] = []
+        out = _Chunks(self.scheduler, self.config.batch_bytes)
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
-            moves += [
-                self.start(page, Direction.DISK_TO_CPU, slot, urgent=True, submit=False)
-                for page, slot in zip(group, slots, strict=False)
-            ]
-        self.scheduler.submit(moves)
-        return len(moves)
+            for page, slot in zip(group, slots, strict=False):
+                out.add(self.start(page, Direction.DISK_TO_CPU, slot, urgent=True, submit=False))
+        return out.flush()
 
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
@@ -399,3 +390,28 @@ class _Frees:
                 assert core.disk is not None
                 core.disk.free(key, slots)
         self._slots.clear()
+
+
+class _Chunks:
+    """Submits prepared moves a batch at a time, so copies start while the rest is prepared."""
+
+    __slots__ = ("_bytes", "_limit", "_moves", "_scheduler", "total")
+
+    def __init__(self, scheduler: TransferScheduler, batch_bytes: int) -> None:
+        self._scheduler, self._limit = scheduler, batch_bytes
+        self._moves: list[Move] = []
+        self._bytes = 0
+        self.total = 0
+
+    def add(self, move: Move) -> None:
+        self._moves.append(move)
+        self._bytes += move.nbytes
+        if self._bytes >= self._limit:
+            self.flush()
+
+    def flush(self) -> int:
+        if self._moves:
+            self._scheduler.submit(self._moves)
+            self.total += len(self._moves)
+            self._moves, self._bytes = [], 0
+        return self.total

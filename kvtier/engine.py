@@ -259,6 +259,36 @@ class TierEngine:
                 del core.counters.restore_latencies[:-4096]
             return [SlotIndex(p.slot) for p in pages]
 
+    def try_acquire(self, tenant: str, pool_id: PoolId,
+                    page_ids: Sequence[PageId]) -> list[SlotIndex] | None:
+        """Non-blocking fast path for callers on an event loop.
+
+        Pins and returns the slots only when the engine lock is free at once, the pool belongs to
+        ``tenant`` and every page is resident on the GPU; otherwise returns ``None`` having
+        changed nothing (the caller then uses :meth:`acquire`, which also reports errors).
+        """
+        core = self._core
+        if not core.cond.acquire(blocking=False):
+            return None
+        try:
+            pool = core.pools.get(pool_id)
+            if core.closed or pool is None or pool.tenant != tenant:
+                return None
+            pages = []
+            for pid in page_ids:
+                page = core.table.pages.get(pid)
+                if page is None or page.pool_id != pool_id or page.state is not PageState.GPU:
+                    return None
+                pages.append(page)
+            for page in dict.fromkeys(pages):
+                self._pin(pool, page)
+                page.hits += 1
+                pool.policy.touch(page.page_id)
+            core.counters.hits[Tier.GPU] += 1
+            return [SlotIndex(p.slot) for p in pages]
+        finally:
+            core.cond.release()
+
     def _bring_up(self, pool: Pool, pages: list[Page], wanted: set[PageId]) -> bool:
         """Start whatever moves bring ``pages`` closer to the GPU; True if any restore began."""
         core = self._core

@@ -5,9 +5,10 @@ Contract:
       ``disk`` (disk->CPU and CPU->disk). Up and down run at the same time, so both PCIe directions
       are busy at once; the disk lane serves the shared disk.
     * Every lane keeps a restore queue and an offload queue; a queued restore is always taken before
-      any queued offload. ``urgent`` moves (offloads that free room for a waiting restore) go to the
-      front of their queue.
-    * A lane takes one batch at a time: consecutive moves of one direction up to ``batch_bytes``.
+      any queued offload. ``urgent`` moves (offloads that free room for a waiting restore) go ahead
+      of the other moves of their kind, first in, first out.
+    * A lane takes one batch at a time: consecutive moves of one direction up to ``batch_bytes``,
+      and launches the next batch before waiting on the previous one (two batches in flight).
       Bytes in flight across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
     * ``cancel(move)`` removes a queued move (True) or reports it already started (False).
     * ``on_complete(moves, results, seconds)`` is called on the lane thread after every batch,
@@ -36,19 +37,41 @@ _LANE_OF = {
 }
 
 
+class _Pending:
+    __slots__ = ("batch", "start", "waiter")
+
+    def __init__(self, batch: list[Move], waiter: Callable[[], list[bool]], start: float) -> None:
+        self.batch, self.waiter, self.start = batch, waiter, start
+
+
+def _failed(n: int) -> Callable[[], list[bool]]:
+    return lambda: [False] * n
+
+
 class _Lane:
+    """Four FIFO queues, served in order: urgent restores, restores, urgent offloads, offloads."""
+
     def __init__(self, name: str) -> None:
         self.name = name
-        self.restores: deque[Move] = deque()
-        self.offloads: deque[Move] = deque()
+        self.queues: tuple[deque[Move], ...] = (deque(), deque(), deque(), deque())
         self.thread: threading.Thread | None = None
 
+    def queue_for(self, move: Move) -> deque[Move]:
+        return self.queues[(0 if move.urgent else 1) + (0 if move.direction.is_restore else 2)]
+
+    def _head(self) -> deque[Move] | None:
+        return next((q for q in self.queues if q), None)
+
+    def count(self, restores: bool) -> int:
+        return sum(len(q) for q in (self.queues[:2] if restores else self.queues[2:]))
+
     def peek_bytes(self, batch_bytes: int) -> int:
-        queue = self.restores if self.restores else self.offloads
+        queue = self._head()
         return min(batch_bytes, queue[0].nbytes * len(queue)) if queue else 0
 
     def take(self, batch_bytes: int) -> list[Move]:
-        queue = self.restores if self.restores else self.offloads
+        queue = self._head()
+        assert queue is not None
         batch = [queue.popleft()]
         size = batch[0].nbytes
         while queue and queue[0].direction is batch[0].direction:
@@ -78,6 +101,7 @@ class TransferScheduler:
         self._lanes = {n: _Lane(n) for n in ("up", "down", "disk")}
         self._inflight = 0
         self._closed = False
+        self._last_end: dict[Direction, float] = {}
         for lane in self._lanes.values():
             lane.thread = threading.Thread(
                 target=self._loop, args=(lane,), name=f"kvtier-{lane.name}", daemon=True
@@ -90,39 +114,27 @@ class TransferScheduler:
         with self._cond:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
-            front: dict[int, list[Move]] = {}
             for move in moves:
                 if move.direction not in self._handlers:
                     raise Unavailable(f"no handler for {move.direction.name}")
-                lane = self._lanes[_LANE_OF[move.direction]]
-                queue = lane.restores if move.direction.is_restore else lane.offloads
-                if move.urgent:
-                    front.setdefault(id(queue), []).append(move)
-                else:
-                    queue.append(move)
-            for lane in self._lanes.values():
-                for queue in (lane.restores, lane.offloads):
-                    urgent = front.get(id(queue))
-                    if urgent:  # ahead of the queue, in the order given
-                        queue.extendleft(reversed(urgent))
+            for move in moves:
+                self._lanes[_LANE_OF[move.direction]].queue_for(move).append(move)
             self._cond.notify_all()
 
     def cancel(self, move: Move) -> bool:
         with self._cond:
-            lane = self._lanes[_LANE_OF[move.direction]]
-            for queue in (lane.restores, lane.offloads):
-                try:
-                    queue.remove(move)
-                except ValueError:
-                    continue
-                return True
-            return False
+            queue = self._lanes[_LANE_OF[move.direction]].queue_for(move)
+            try:
+                queue.remove(move)
+            except ValueError:
+                return False
+            return True
 
     def depth(self) -> tuple[int, int]:
         """(queued restores, queued offloads)."""
         with self._cond:
-            r = sum(len(lane.restores) for lane in self._lanes.values())
-            o = sum(len(lane.offloads) for lane in self._lanes.values())
+            r = sum(lane.count(restores=True) for lane in self._lanes.values())
+            o = sum(lane.count(restores=False) for lane in self._lanes.values())
             return r, o
 
     @property
@@ -131,39 +143,61 @@ class TransferScheduler:
 
     # -- lanes ------------------------------------------------------------------------------------
     def _loop(self, lane: _Lane) -> None:
+        """Launch batch i+1 before waiting on batch i, so Python work hides behind the copies."""
+        pending: _Pending | None = None
         while True:
+            batch: list[Move] = []
             with self._cond:
-                while not self._closed and not self._ready(lane):
+                while not self._closed and pending is None and not self._ready(lane):
                     self._cond.wait()
-                if self._closed:
+                if self._closed and pending is None:
                     return
-                batch = lane.take(self._batch_bytes)
-                nbytes = sum(m.nbytes for m in batch)
-                self._inflight += nbytes
-            self._run(batch)
-            with self._cond:
-                self._inflight -= nbytes
-                self._cond.notify_all()
+                if not self._closed and self._ready(lane):
+                    batch = lane.take(self._batch_bytes)
+                    self._inflight += sum(m.nbytes for m in batch)
+            launched = self._launch(batch) if batch else None
+            if pending is not None:
+                self._finish(pending)
+            pending = launched
 
     def _ready(self, lane: _Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
         want = lane.peek_bytes(self._batch_bytes)
         return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
 
-    def _run(self, batch: list[Move]) -> None:
+    def _launch(self, batch: list[Move]) -> _Pending:
         handler = self._handlers[batch[0].direction]
         start = time.perf_counter()
         try:
-            results = handler.run(batch)
+            waiter = handler.launch(batch)
+        except Exception:
+            log.exception(
+                "launching a %s batch of %d pages failed", batch[0].direction.name, len(batch)
+            )
+            waiter = _failed(len(batch))
+        return _Pending(batch, waiter, start)
+
+    def _finish(self, pending: _Pending) -> None:
+        batch = pending.batch
+        try:
+            results = pending.waiter()
         except Exception:
             log.exception(
                 "transfer batch %s of %d pages failed", batch[0].direction.name, len(batch)
             )
             results = [False] * len(batch)
+        end = time.perf_counter()
+        # Busy time only: a batch launched while its predecessor ran starts counting when that
+        # one finished, so per-direction seconds never double-count overlapping batches.
+        busy = end - max(pending.start, self._last_end.get(batch[0].direction, 0.0))
+        self._last_end[batch[0].direction] = end
         try:
-            self._on_complete(batch, results, time.perf_counter() - start)
+            self._on_complete(batch, results, busy)
         except Exception:  # the engine's completion must never kill a lane
             log.exception("completing a %s batch failed", batch[0].direction.name)
+        with self._cond:
+            self._inflight -= sum(m.nbytes for m in batch)
+            self._cond.notify_all()
 
     def close(self, grace: float = 10.0) -> None:
         """Finish batches in flight (bounded by ``grace``), fail everything still queued."""
@@ -171,12 +205,10 @@ class TransferScheduler:
             if self._closed:
                 return
             self._closed = True
-            leftovers = [
-                m for lane in self._lanes.values() for m in (*lane.restores, *lane.offloads)
-            ]
+            leftovers = [m for lane in self._lanes.values() for q in lane.queues for m in q]
             for lane in self._lanes.values():
-                lane.restores.clear()
-                lane.offloads.clear()
+                for q in lane.queues:
+                    q.clear()
             self._cond.notify_all()
         for lane in self._lanes.values():
             if lane.thread is not None:

@@ -51,6 +51,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             await ctx.abort(code, message)
             raise  # unreachable: abort raises
 
+    def _acquire_resident(self, req: pb.AcquireRequest) -> list[int] | None:
+        """The engine's non-blocking fast path; ``None`` sends the call down the full path."""
+        ref = req.pool
+        if not req.HasField("pool") or ref.instance != self._tenancy.instance or not req.page_ids:
+            return None
+        if any(p <= 0 for p in req.page_ids) or len(req.page_ids) > 4096:
+            return None
+        pages = [PageId(p) for p in req.page_ids]
+        slots = self._engine.try_acquire(ref.tenant, PoolId(ref.pool_id), pages)
+        return None if slots is None else [int(s) for s in slots]
+
     def _pool(self, msg: Any) -> PoolId:
         return self._tenancy.owned(msg.pool, present=msg.HasField("pool"))
 
@@ -125,6 +136,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     async def Acquire(self, req: pb.AcquireRequest, ctx: Ctx) -> pb.AcquireReply:
         remaining = ctx.time_remaining()
+        fast = self._acquire_resident(req)
+        if fast is not None:  # every page resident: no thread hop, no waiting
+            return pb.AcquireReply(slots=fast)
 
         def call() -> pb.AcquireReply:
             pool = self._pool(req)

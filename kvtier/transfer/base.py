@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,15 @@ class TransferHandler(ABC):
 
     @abstractmethod
     def run(self, moves: list[Move]) -> list[bool]: ...
+
+    def launch(self, moves: list[Move]) -> Callable[[], list[bool]]:
+        """Start a batch; the returned callable waits for it and gives its results.
+
+        Handlers that can overlap batches (CUDA streams, I/O threads) override this; at most two
+        batches of one handler are in flight, and they complete in launch order.
+        """
+        results = self.run(moves)
+        return lambda: results
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release staging buffers and streams."""

@@ -8,6 +8,8 @@ one event, so a slot is reused only after its bytes have landed. No device-wide 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvtier.tiers.pinned import HostArena
@@ -22,8 +24,12 @@ class _CudaHandler(TransferHandler):
         self._arena = arena
         self._device = device
         self._stream = torch.cuda.Stream(device)
-        self._staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
-        self._done = torch.cuda.Event()
+        # Two staging buffers: batch i+1 is launched while batch i's copies still run.
+        self._buffers = [
+            torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(2)
+        ]
+        self._turn = 0
+        self._staging = self._buffers[0]
 
     def _buffer(self, rows: int, size: int) -> torch.Tensor:
         if rows * size <= self._staging.numel():
@@ -34,14 +40,24 @@ class _CudaHandler(TransferHandler):
         return torch.tensor(values, dtype=torch.long).to(self._device, non_blocking=True)
 
     def run(self, moves: list[Move]) -> list[bool]:
+        return self.launch(moves)()
+
+    def launch(self, moves: list[Move]) -> Callable[[], list[bool]]:
+        self._staging = self._buffers[self._turn]
+        self._turn ^= 1
+        done = torch.cuda.Event()
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             for event in {id(m.ready): m.ready for m in moves if m.ready is not None}.values():
                 self._stream.wait_event(event)
             for group in by_pool(moves):
                 self._copy([moves[i] for i in group])
-            self._done.record(self._stream)
-        self._done.synchronize()
-        return [True] * len(moves)
+            done.record(self._stream)
+
+        def wait() -> list[bool]:
+            done.synchronize()
+            return [True] * len(moves)
+
+        return wait
 
     def _copy(self, group: list[Move]) -> None:
         raise NotImplementedError
