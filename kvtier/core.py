@@ -315,6 +315,12 @@ class EngineCore:
     def _finish(self, move: Move, ok: bool, frees: _Frees | None = None) -> None:
         page = move.page
         if move.copy or page is None:
+            if page is not None and move.direction is Direction.GPU_TO_CPU:  # a stored block
+                if ok:
+                    self.settle(page, Tier.CPU, move.dst)
+                else:
+                    self.host.free(page.page_size, [move.dst])
+                    self.table.remove(page)
             move.result = ok
             return
         page.move = None

@@ -74,6 +74,7 @@ class PrefixStore:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
             moves: list[Move] = []
+            started: list[Move] = []  # submitted early while waiting for room
             stored = 0
             seen: set[bytes] = set()
             for key, slot in zip(keys, slots, strict=True):
@@ -82,7 +83,7 @@ class PrefixStore:
                     stored += 1  # already stored: its bytes are not rewritten
                     continue
                 seen.add(salted)
-                got = core.cpu_slots(pool.page_size, 1)
+                got = self._cpu_slot(pool.page_size, moves, started)
                 if not got:
                     break
                 page = Page(
@@ -108,17 +109,31 @@ class PrefixStore:
                     )
                 )
             core.scheduler.submit(moves)
+            moves = started + moves
             self._wait(moves)
-            for move in moves:
-                new = move.page
-                assert new is not None
-                if move.result:
-                    core.settle(new, Tier.CPU, move.dst)
-                    stored += 1
-                else:
-                    core.host.free(new.page_size, [move.dst])
-                    core.table.remove(new)
-            return stored
+            return stored + sum(1 for m in moves if m.result)
+
+    def _cpu_slot(self, page_size: int, pending: list[Move], started: list[Move]) -> list[int]:
+        """A CPU slot for a stored block, waiting (bounded) while the cascade frees one.
+
+        A full CPU tier sends its victims to disk asynchronously: rather than storing fewer
+        blocks than asked, wait for those writes while any transfer is still under way.
+        """
+        core = self._core
+        deadline = time.monotonic() + core.config.restore_timeout_s
+        while True:
+            got = core.cpu_slots(page_size, 1)
+            if got or time.monotonic() > deadline:
+                return got
+            if pending:  # let the copies prepared so far start, so they can cascade
+                core.scheduler.submit(pending)
+                started.extend(pending)
+                pending.clear()
+            restores, offloads = core.scheduler.depth()
+            busy = restores or offloads or core.scheduler.inflight_bytes
+            if not busy and all(m.result is not None for m in started):
+                return got  # nothing under way will free a slot
+            core.cond.wait(0.01)
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Tier]:
         check_name("tenant", tenant)
@@ -140,65 +155,90 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            pages = self._resident_prefix(pool, keys)
-            core.protect(p.page_id for p in pages)
-            for page in pages:
-                page.pins += 1
-            try:
-                moves = [
-                    Move(
-                        Direction.CPU_TO_GPU,
-                        pool.page_size,
-                        p.slot,
-                        s,
-                        page=p,
-                        pool=pool.dev,
-                        copy=True,
-                        urgent=True,
-                    )
-                    for p, s in zip(pages, slots, strict=False)
-                ]
-                core.scheduler.submit(moves)
-                self._wait(moves)
-            finally:
-                core.unprotect(p.page_id for p in pages)
-                for page in pages:
-                    page.pins -= 1
-                    core.policy_of(page).touch(page.page_id)
-                    page.hits += 1
+            # A window the CPU tier can hold at once: a prefix longer than the CPU tier is
+            # brought up from disk and copied in a window at a time.
+            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
             loaded = 0
-            for move in moves:
-                if not move.result:
+            while loaded < len(keys):
+                part = keys[loaded : loaded + window]
+                pages = self._resident_prefix(pool, part)
+                try:
+                    n = self._copy_in(pool, pages, slots[loaded : loaded + len(pages)])
+                finally:
+                    core.unprotect(p.page_id for p in pages)
+                loaded += n
+                if n < len(part):
                     break
-                loaded += 1
             return loaded
 
+    def _copy_in(self, pool: Pool, pages: list[Page], slots: list[int]) -> int:
+        """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""
+        core = self._core
+        moves = [
+            Move(
+                Direction.CPU_TO_GPU,
+                pool.page_size,
+                p.slot,
+                s,
+                page=p,
+                pool=pool.dev,
+                copy=True,
+                urgent=True,
+            )
+            for p, s in zip(pages, slots, strict=True)
+        ]
+        core.scheduler.submit(moves)
+        self._wait(moves)
+        for page in pages:
+            core.policy_of(page).touch(page.page_id)
+            page.hits += 1
+        loaded = 0
+        for move in moves:
+            if not move.result:
+                break
+            loaded += 1
+        return loaded
+
     def _resident_prefix(self, pool: Pool, keys: list[bytes]) -> list[Page]:
-        """Pages of the longest stored prefix, each brought to (and settled in) the CPU tier."""
+        """Pages of the longest stored prefix, brought to the CPU tier and returned protected.
+
+        Pages already in CPU are protected as soon as they are seen, so bringing the rest up
+        from disk can't push them back down.
+        """
         core = self._core
         deadline = time.monotonic() + core.config.restore_timeout_s
-        while True:
-            pages: list[Page] = []
-            for key in keys:
-                page = core.table.keyed(salt_key(pool.tenant, key))
-                if (
-                    page is None
-                    or page.state is PageState.DROPPED
-                    or page.page_size != pool.page_size
-                ):
-                    break
-                pages.append(page)
-            waiting = [p for p in pages if p.state is not PageState.CPU]
-            if not waiting:
-                return pages
-            for page in waiting:
-                if page.state is PageState.DISK:
-                    core.restore_disk([page])
-                elif page.state is PageState.MOVING_DOWN:
-                    core.cancel(page)
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
-            core.cond.wait(0.05)
+        held: set = set()
+        try:
+            while True:
+                pages = self._prefix(pool, keys)
+                for page in pages:
+                    if page.state is PageState.CPU and page.page_id not in held:
+                        core.protect([page.page_id])
+                        held.add(page.page_id)
+                waiting = [p for p in pages if p.state is not PageState.CPU]
+                if not waiting:
+                    core.unprotect(held - {p.page_id for p in pages})
+                    return pages
+                for page in waiting:
+                    if page.state is PageState.DISK:
+                        core.restore_disk([page])
+                    elif page.state is PageState.MOVING_DOWN:
+                        core.cancel(page)
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
+                core.cond.wait(0.05)
+        except BaseException:
+            core.unprotect(held)
+            raise
+
+    def _prefix(self, pool: Pool, keys: list[bytes]) -> list[Page]:
+        pages: list[Page] = []
+        for key in keys:
+            page = self._core.table.keyed(salt_key(pool.tenant, key))
+            if page is None or page.state is PageState.DROPPED or page.page_size != pool.page_size:
+                break
+            pages.append(page)
+        return pages
 
     def _wait(self, moves: list[Move]) -> None:
         deadline = time.monotonic() + self._core.config.restore_timeout_s

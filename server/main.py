@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 from importlib import metadata
 from typing import Any
@@ -29,12 +30,18 @@ def version() -> str:
         return "0.0.0"
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def run(config: OffloadConfig) -> int:
     """Serve until a stop signal; returns the exit status. ConfigError propagates (exit 2)."""
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     listen_addresses(config)  # refuse a bad listener setup before building the engine
+    # The daemon owns its process: a short GIL switch interval lets a restore's thread run
+    # within ~0.5 ms while transfer lanes do Python bookkeeping (default 5 ms tails).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         import uvloop
 

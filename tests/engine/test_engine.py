@@ -209,3 +209,19 @@ def test_acquire_a_whole_pool_spread_over_cpu_and_disk(make_engine):
                 == expected[pid]
             )
         engine.release(pool.pool_id, ids[i : i + 8])
+
+
+def test_store_into_a_full_cpu_tier_waits_for_the_disk_cascade(make_engine):
+    engine = make_engine(cpu_memory_gb=4 * PAGE / 2**30, disk_admission="always")
+    pool = engine.attach("t", 8)
+    got = engine.allocate(pool.pool_id, 8)
+    slots = [s for _, s in got]
+    for i, s in enumerate(slots):
+        pool.segments[0][s].fill_(i + 1)
+    keys = [f"k{i}".encode() for i in range(8)]
+    assert engine.store(pool.pool_id, keys, slots) == 8  # twice what the CPU tier holds
+    assert set(engine.lookup("t", keys)) == {Tier.CPU, Tier.DISK}
+    pool.segments[0].zero_()
+    assert engine.load(pool.pool_id, keys, slots) == 8
+    for i, s in enumerate(slots):
+        assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == i + 1
