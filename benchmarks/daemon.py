@@ -24,9 +24,9 @@ from pathlib import Path
 
 import grpc
 import torch
+from kvtier.client import KVTierClient
 
 from kvtier import OffloadConfig, PageState, TierEngine
-from kvtier.client import KVTierClient
 
 GIB = 1 << 30
 PAGE = 2 << 20

@@ -10,6 +10,7 @@ import torch
 from kvtier.v1 import kvtier_pb2 as pb
 
 from . import ipc
+from .fastlane import FastLaneClient
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class Attachment:
     tensor: torch.Tensor | None
     request: Any = field(repr=False)  # the Attach/Register request, for reattach()
     keepalive: list[Any] = field(default_factory=list, repr=False)
+    fast_lane: FastLaneClient | None = field(default=None, repr=False)
 
 
 def from_reply(reply: pb.AttachReply, tenant: str, request: Any, *, register: bool) -> Attachment:
@@ -38,8 +40,15 @@ def from_reply(reply: pb.AttachReply, tenant: str, request: Any, *, register: bo
     return Attachment(
         pool_id=reply.pool_id, tenant=tenant, page_size=reply.page_size,
         num_slots=reply.num_slots, instance=reply.instance, device=h.device, tensor=tensor,
-        request=request,
+        request=request, fast_lane=_lane(reply),
     )
+
+
+def _lane(reply: pb.AttachReply) -> FastLaneClient | None:
+    lane = reply.fast_lane
+    if not reply.HasField("fast_lane") or not lane.path or len(lane.capability) != 16:
+        return None
+    return FastLaneClient(lane.path, lane.capability)
 
 
 def map_pool(h: pb.PoolHandle, num_slots: int, page_size: int) -> torch.Tensor:

@@ -99,9 +99,16 @@ class KVTierClient:
 
     def acquire(self, att: Attachment, page_ids: Sequence[int], *,
                 timeout: float | None = None) -> list[int] | None:
+        if att.fast_lane is not None and att.tenant == self.tenant:  # resident: without gRPC
+            slots = att.fast_lane.acquire(att.pool_id, page_ids)
+            if slots is not None:
+                return slots
         return self._do(ops.acquire(self._ref(att), page_ids, timeout))
 
     def release(self, att: Attachment, page_ids: Sequence[int]) -> None:
+        lane = att.fast_lane
+        if lane is not None and att.tenant == self.tenant and lane.release(att.pool_id, page_ids):
+            return
         self._do(ops.pages("Release", self._ref(att), page_ids))
 
     def offload(self, att: Attachment, page_ids: Sequence[int]) -> int:

@@ -289,6 +289,31 @@ class TierEngine:
         finally:
             core.cond.release()
 
+    def try_release(self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]) -> bool:
+        """Non-blocking :meth:`release`: True if done; False (nothing changed) if the lock was
+        busy or any id is not an acquired page of ``tenant``'s pool."""
+        core = self._core
+        if not core.cond.acquire(blocking=False):
+            return False
+        try:
+            pool = core.pools.get(pool_id)
+            if pool is None or pool.tenant != tenant:
+                return False
+            pages = []
+            for pid in dict.fromkeys(page_ids):
+                page = core.table.pages.get(pid)
+                if page is None or page.pool_id != pool_id or page.pins == 0:
+                    return False
+                pages.append(page)
+            ready = self._record_ready()
+            for page in pages:
+                self._unpin(pool, page)
+                page.ready = ready
+            core.cond.notify_all()
+            return True
+        finally:
+            core.cond.release()
+
     def _bring_up(self, pool: Pool, pages: list[Page], wanted: set[PageId]) -> bool:
         """Start whatever moves bring ``pages`` closer to the GPU; True if any restore began."""
         core = self._core

@@ -24,6 +24,7 @@ from kvtier.errors import ConfigError
 from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 
 from .auth import TokenAuth
+from .fastlane import FastLane, lane_path
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
@@ -72,12 +73,15 @@ class KVTierServer:
     """The gRPC server plus what its shutdown needs (health, drain flag, worker threads)."""
 
     def __init__(self, server: grpc.aio.Server, health: HealthServicer, draining: asyncio.Event,
-                 executor: ThreadPoolExecutor, instance: str) -> None:
+                 executor: ThreadPoolExecutor, instance: str,
+                 lane: FastLane | None = None) -> None:
         self.server, self.health, self.draining = server, health, draining
-        self.executor, self.instance = executor, instance
+        self.executor, self.instance, self.lane = executor, instance, lane
 
     async def start(self) -> None:
         await self.server.start()
+        if self.lane is not None:
+            await self.lane.start()
 
     async def set_serving(self) -> None:
         for name in ("", SERVICE):
@@ -86,6 +90,8 @@ class KVTierServer:
     async def drain(self, grace: float) -> None:
         """Health NOT_SERVING, new calls UNAVAILABLE, in-flight calls get ``grace`` seconds."""
         self.draining.set()
+        if self.lane is not None:
+            await self.lane.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -105,15 +111,19 @@ def create_server(
     )
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
+    path = lane_path(addrs)
+    lane = FastLane(engine, path) if path is not None else None
     servicer = KVTierServicer(
         engine, device=config.resolved_device(), default_page_size=config.page_size,
         version=version, tenancy=Tenancy(engine, instance), executor=executor, draining=draining,
+        lane=lane,
     )
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _enable_reflection(server)
-    return KVTierServer(server, health, draining, executor, instance), _bind(server, addrs)
+    bound = _bind(server, addrs)
+    return KVTierServer(server, health, draining, executor, instance, lane), bound
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

@@ -21,6 +21,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 from . import convert, validate
 from .errors import is_internal, shortfall, status_for
+from .fastlane import FastLane
 from .tenancy import Tenancy
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(
         self, engine: Any, *, device: str, default_page_size: int, version: str,
         tenancy: Tenancy, executor: Executor, draining: asyncio.Event,
+        lane: FastLane | None = None,
     ) -> None:
         self._engine = engine
         self._device = device
@@ -39,6 +41,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._version = version
         self._tenancy = tenancy
         self._executor = executor
+        self._lane = lane
         self._draining = draining
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
@@ -76,7 +79,11 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             pool = self._engine.attach(tenant, slots, size, default_priority=prio)
             log.info("attached pool %s: tenant=%s slots=%d layout=%r", pool.pool_id, tenant,
                      slots, req.layout[:200])
-            return convert.attach_reply(pool, self._tenancy.instance)
+            reply = convert.attach_reply(pool, self._tenancy.instance)
+            if self._lane is not None:
+                reply.fast_lane.path = self._lane.path
+                reply.fast_lane.capability = self._lane.grant(int(pool.pool_id), tenant)
+            return reply
 
         return await self._run(ctx, call)
 
@@ -94,7 +101,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     async def Detach(self, req: pb.DetachRequest, ctx: Ctx) -> pb.DetachReply:
         def call() -> pb.DetachReply:
-            self._engine.detach(self._pool(req))
+            pool_id = self._pool(req)
+            self._engine.detach(pool_id)
+            if self._lane is not None:
+                self._lane.revoke(int(pool_id))
             return pb.DetachReply()
 
         return await self._run(ctx, call)

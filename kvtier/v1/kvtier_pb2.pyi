@@ -70,18 +70,28 @@ class AttachRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., device: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., bytes: _Optional[int] = ..., layout: _Optional[str] = ..., default_priority: _Optional[float] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("pool_id", "page_size", "num_slots", "handle", "instance")
+    __slots__ = ("pool_id", "page_size", "num_slots", "handle", "instance", "fast_lane")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    FAST_LANE_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     page_size: int
     num_slots: int
     handle: PoolHandle
     instance: str
-    def __init__(self, pool_id: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., instance: _Optional[str] = ...) -> None: ...
+    fast_lane: FastLane
+    def __init__(self, pool_id: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., instance: _Optional[str] = ..., fast_lane: _Optional[_Union[FastLane, _Mapping]] = ...) -> None: ...
+
+class FastLane(_message.Message):
+    __slots__ = ("path", "capability")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    capability: bytes
+    def __init__(self, path: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("ipc", "shm_path", "num_slots", "slot_stride", "slot_bytes", "offset")

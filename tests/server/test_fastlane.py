@@ -1,0 +1,92 @@
+"""The fast lane against a real daemon: answers resident acquires/releases, defers the rest to
+gRPC, and refuses anything without the pool's capability (changing nothing)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import torch
+from kvtier_daemon_fixture import Daemon
+
+REQUEST = struct.Struct("<BHQ16s")
+REPLY = struct.Struct("<BH")
+
+
+def raw(path: str, frame: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(frame)
+        s.shutdown(socket.SHUT_WR)  # a truncated frame then reads as EOF, not a stall
+        return s.recv(64)
+
+
+def frame(op: int, pool_id: int, cap: bytes, ids: list[int]) -> bytes:
+    return REQUEST.pack(op, len(ids), pool_id, cap) + struct.pack(f"<{len(ids)}Q", *ids)
+
+
+def test_resident_acquire_and_release_take_the_fast_lane(daemon: Daemon) -> None:
+    with daemon.client("lane-a") as c:
+        att = c.attach(8)
+        assert att.fast_lane is not None and "capability" not in repr(att.fast_lane)
+        got = c.allocate(att, 4)
+        assert got is not None
+        ids, slots = [p for p, _ in got], [s for _, s in got]
+        c.release(att, ids)
+        assert c.stats().pinned_pages == 0
+        before = att.fast_lane.hits
+        assert c.acquire(att, ids) == slots  # resident: the lane answers with the same slots
+        assert c.stats().pinned_pages == 4
+        c.release(att, ids)
+        assert att.fast_lane.hits == before + 2 and c.stats().pinned_pages == 0
+        c.detach(att)
+
+
+def test_pages_off_the_gpu_fall_back_to_grpc_and_keep_their_bytes(daemon: Daemon) -> None:
+    with daemon.client("lane-b") as c:
+        att = c.attach(4)
+        assert att.tensor is not None
+        got = c.allocate(att, 4)
+        ids = [p for p, _ in got]
+        for i, (_, slot) in enumerate(got):
+            att.tensor[slot].fill_(i + 1)
+        c.release(att, ids)
+        assert c.offload(att, ids) == 4
+        hits = att.fast_lane.hits
+        for i, pid in enumerate(ids):
+            (slot,) = c.acquire(att, [pid])
+            assert torch.all(att.tensor[slot] == i + 1)
+            c.release(att, [pid])
+        assert att.fast_lane.hits < hits + 8  # some acquires needed a restore: gRPC did them
+        c.detach(att)
+
+
+def test_wrong_or_foreign_capability_is_denied_and_changes_nothing(daemon: Daemon) -> None:
+    with daemon.client("lane-c") as a, daemon.client("lane-d") as b:
+        att_a, att_b = a.attach(4), b.attach(4)
+        got = a.allocate(att_a, 2)
+        ids = [p for p, _ in got]
+        a.release(att_a, ids)
+        path = att_a.fast_lane.path
+        pinned = a.stats().pinned_pages
+        assert REPLY.unpack(raw(path, frame(1, att_a.pool_id, b"\0" * 16, ids))[:3])[0] == 2
+        foreign = att_b.fast_lane._capability  # b's secret, a's pool
+        assert REPLY.unpack(raw(path, frame(1, att_a.pool_id, foreign, ids))[:3])[0] == 2
+        assert a.stats().pinned_pages == pinned
+        a.detach(att_a)
+        own = att_a.fast_lane._capability
+        assert REPLY.unpack(raw(path, frame(1, att_a.pool_id, own, ids))[:3])[0] == 2  # revoked
+        b.detach(att_b)
+
+
+def test_malformed_frames_close_the_connection_and_the_daemon_keeps_serving(daemon: Daemon) -> None:
+    with daemon.client("lane-e") as c:
+        att = c.attach(4)
+        path = att.fast_lane.path
+        assert raw(path, REQUEST.pack(1, 0, att.pool_id, b"\0" * 16)) == b""  # n = 0
+        assert raw(path, REQUEST.pack(1, 60000, att.pool_id, b"\0" * 16)) == b""  # too many
+        assert raw(path, b"\x01\x02") == b""  # truncated
+        got = c.allocate(att, 1)
+        assert got is not None and c.acquire(att, [got[0][0]]) is not None
+        c.detach(att)
