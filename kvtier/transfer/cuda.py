@@ -37,7 +37,10 @@ class _CudaHandler(TransferHandler):
         return torch.empty((rows, size), dtype=torch.uint8, device=self._device)
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self._device, non_blocking=True)
+        # From pinned memory: a pageable source makes the copy synchronous, and the host would
+        # wait for the previous batch's DMA on this stream, undoing the double buffering.
+        host = torch.tensor(values, dtype=torch.long).pin_memory()
+        return host.to(self._device, non_blocking=True)
 
     def run(self, moves: list[Move]) -> list[bool]:
         return self.launch(moves)()
