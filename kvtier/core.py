@@ -14,6 +14,7 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
 
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
+COMPLETE_CHUNK = 32  # pages finished per engine-lock hold
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -256,6 +258,43 @@ class EngineCore:
             self.scheduler.submit([move])
         return move
 
+    def start_many(
+        self, pages: list[Page], direction: Direction, dsts: list[int], *, urgent: bool
+    ) -> int:
+        """``start`` for a batch of pages of one direction, submitted a batch at a time.
+
+        The same steps as ``start``, inlined: this loop runs once per page moved.
+        """
+        out = _Chunks(self.scheduler, self.config.batch_bytes)
+        state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
+        gpu_side = direction in _GPU_SIDE
+        down = direction is Direction.GPU_TO_CPU
+        for page, dst in zip(pages, dsts, strict=False):
+            pool = self.pools[page.pool_id] if page.pool_id is not None else None
+            if page.tier is Tier.GPU:
+                assert pool is not None
+                pool.policy.remove(page.page_id)
+                pool.slot_pages.pop(page.slot, None)
+            else:
+                self.policy_of(page).remove(page.page_id)
+            move = Move(
+                direction,
+                page.page_size,
+                page.slot,
+                dst,
+                page,
+                pool.dev if gpu_side and pool is not None else None,
+                False,
+                urgent,
+                page.ready,
+            )
+            page.move = move
+            page.state = state
+            if down and pool is not None:
+                pool.moving_down += 1
+            out.add(move)
+        return out.flush()
+
     def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
         """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
         todo = [p for p in pages if p.state is PageState.GPU and p.pins == 0]
@@ -264,40 +303,49 @@ class EngineCore:
         by_size: dict[int, list[Page]] = {}
         for p in todo:
             by_size.setdefault(p.page_size, []).append(p)
-        out = _Chunks(self.scheduler, self.config.batch_bytes)
+        queued = 0
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
-            for page, slot in zip(group, slots, strict=False):
-                out.add(self.start(page, Direction.GPU_TO_CPU, slot, urgent=urgent, submit=False))
-        return out.flush()
+            queued += self.start_many(group, Direction.GPU_TO_CPU, slots, urgent=urgent)
+        return queued
 
     def restore_cpu(self, pool: Pool, pages: list[Page], *, urgent: bool = True) -> int:
         """Queue CPU->GPU for as many pages as the pool has free slots."""
         slots = pool.dev.alloc(len(pages)) if pages else []
         if slots is None:
             slots = pool.dev.alloc(min(pool.dev.num_free, len(pages))) or []
-        out = _Chunks(self.scheduler, self.config.batch_bytes)
-        for page, slot in zip(pages, slots, strict=False):
-            out.add(self.start(page, Direction.CPU_TO_GPU, slot, urgent=urgent, submit=False))
-        return out.flush()
+        return self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=urgent)
 
     def restore_disk(self, pages: list[Page]) -> int:
         """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
         by_size: dict[int, list[Page]] = {}
         for page in pages:
             by_size.setdefault(page.page_size, []).append(page)
-        out = _Chunks(self.scheduler, self.config.batch_bytes)
+        started = 0
         for size, group in by_size.items():
             slots = self.cpu_slots(size, len(group))
-            for page, slot in zip(group, slots, strict=False):
-                out.add(self.start(page, Direction.DISK_TO_CPU, slot, urgent=True, submit=False))
-        return out.flush()
+            started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
+        return started
 
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
-        """Finish a batch under one lock hold; slots are returned per tier in bulk."""
+        """Finish a batch, a few pages per lock hold; slots go back to their tiers in bulk.
+
+        Between chunks the lock is released and the thread yields, so a restore waiting on the
+        lock (to start, or to finish its own batch) runs behind at most one chunk, not a whole
+        offload batch.
+        """
+        for start in range(0, len(moves), COMPLETE_CHUNK):
+            if start:
+                time.sleep(0)
+            with self.cond:
+                frees = _Frees()
+                end = start + COMPLETE_CHUNK
+                for move, ok in zip(moves[start:end], results[start:end], strict=True):
+                    self._finish(move, ok, frees)
+                frees.apply(self)
+                self.cond.notify_all()
         with self.cond:
-            frees = _Frees()
             for move, ok in zip(moves, results, strict=True):
                 c = self.counters.moved[move.direction]
                 if ok:
@@ -305,8 +353,6 @@ class EngineCore:
                     c.pages += 1
                 else:
                     c.failures += 1
-                self._finish(move, ok, frees)
-            frees.apply(self)
             if moves:
                 self.counters.moved[moves[0].direction].batches += 1
                 self.counters.moved[moves[0].direction].seconds += seconds
