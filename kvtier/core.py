@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
 
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
-COMPLETE_CHUNK = 32  # pages finished per engine-lock hold
+COMPLETE_CHUNK = 256  # pages finished per engine-lock hold
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -170,6 +170,8 @@ class EngineCore:
         self.free_slot(page.page_size, page.tier, page.slot, pool)
         page.state, page.slot = PageState.DROPPED, -1
         self.counters.drop(reason)
+        if page.waits:
+            self.notify_waits(page)
         if page.pool_id is None:  # a keyed page nobody holds: forget it entirely
             self.table.remove(page)
         self.events.publish(Event("dropped", page.pool_id, page.page_id, src, None))
@@ -217,11 +219,13 @@ class EngineCore:
 
     def make_disk_room(self, page_size: int) -> None:
         policy = self.disk_policy.get(page_size)
-        victims = policy.evict(1, ()) if policy is not None and len(policy) else None
+        if policy is None or not len(policy):
+            return
+        victims = policy.evict(1, self.cpu_protected)  # never a page a restore is waiting for
         for pid in victims or []:
             page = self.table.pages[pid]
             self.counters.evictions[Tier.DISK] += 1
-            policy.insert(page.meta())  # type: ignore[union-attr]
+            policy.insert(page.meta())
             self.drop(page, "disk_full")
 
     # -- prepare ---------------------------------------------------------------------------------
@@ -391,6 +395,8 @@ class EngineCore:
             if move.direction is Direction.DISK_TO_CPU and not self.closed:
                 self.counters.checksum_failures += 1
                 self.drop(page, "corrupt")
+        if page.waits:
+            self.notify_waits(page)
         if page.doomed:
             if frees is not None:
                 frees.apply(self)  # the page's own slots must be settled before it goes
@@ -414,6 +420,29 @@ class EngineCore:
         page.move = None
         self.free_slot(page.page_size, move.direction.dst, move.dst)
         self.settle(page, move.direction.src, move.src)
+        if page.waits:
+            self.notify_waits(page)
+
+    def notify_waits(self, page: Page) -> None:
+        """Advance the acquires waiting on ``page`` after it settled somewhere."""
+        waits = page.waits
+        assert waits is not None
+        if page.state is PageState.GPU:
+            assert page.pool_id is not None
+            pool = self.pools[page.pool_id]
+            for wait in waits:
+                page.pins += 1
+                pool.pinned.add(page.page_id)
+                wait.pinned.append(page)
+                wait.left -= 1
+            page.waits = None
+        elif page.state is PageState.DROPPED:
+            for wait in waits:
+                wait.lost.append(page.page_id)
+            page.waits = None
+        else:
+            for wait in waits:
+                (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
 
 
 class _Frees:

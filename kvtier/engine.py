@@ -20,7 +20,7 @@ from kvtier.config import OffloadConfig
 from kvtier.core import EngineCore
 from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PageLost
 from kvtier.events import Event, EventSubscription
-from kvtier.pagetable import Page
+from kvtier.pagetable import AcquireWait, Page
 from kvtier.pool import Pool, Protected
 from kvtier.prefix import PrefixStore
 from kvtier.stats import EngineStats, TierStats
@@ -224,36 +224,39 @@ class TierEngine:
             others = sum(1 for pid in pool.pinned if pid not in wanted)
             if len(unique) > pool.num_slots - others:
                 return None
-            held: set[PageId] = set()
-            restored = False
-            core.protect(wanted)  # the CPU cascade must not push these back down meanwhile
+            wait = AcquireWait()
+            core.protect(wanted)  # neither cascade may push these down meanwhile
             try:
-                while True:
-                    self._check_lost(unique)
-                    for page in unique:
-                        if page.state is PageState.GPU and page.page_id not in held:
-                            self._pin(pool, page)
-                            held.add(page.page_id)
-                    if len(held) == len(unique):
-                        break
-                    todo = [p for p in unique if p.page_id not in held]
-                    if any(not p.moving for p in todo):
-                        restored |= self._bring_up(pool, todo, wanted)
-                    else:
-                        restored = True
+                self._check_lost(unique)
+                self._watch(pool, unique, wait)
+                restored = wait.left > 0
+                on_cpu = [p for p in unique if p.state is PageState.CPU]
+                on_disk = [p for p in unique if p.state is PageState.DISK]
+                for page in unique:
+                    if page.state is PageState.MOVING_DOWN:
+                        core.cancel(page)  # back on the GPU: its wait pins it
+                while wait.left:
+                    if wait.lost:
+                        raise PageLost(f"pages {wait.lost} were dropped and must be recomputed")
+                    on_cpu += wait.on_cpu
+                    on_disk += wait.on_disk
+                    wait.on_cpu, wait.on_disk = [], []
+                    if on_cpu or on_disk:
+                        on_cpu, on_disk = self._start_up(pool, on_cpu, on_disk, wanted)
                     if not self._wait(deadline):
                         raise DeadlineExceeded(f"acquire of {len(unique)} pages timed out")
             except BaseException:
-                for page in unique:
-                    if page.page_id in held:
-                        self._unpin(pool, page)
+                for page in wait.pinned:
+                    self._unpin(pool, page)
                 raise
             finally:
+                for page in unique:
+                    if page.waits:
+                        page.waits = [w for w in page.waits if w is not wait] or None
                 core.unprotect(wanted)
             for page in unique:
                 page.hits += 1
                 pool.policy.touch(page.page_id)
-            core.counters.hits[Tier.GPU] += int(not restored)
             if restored:
                 core.counters.restore_latencies.append(time.monotonic() - start)
                 del core.counters.restore_latencies[:-4096]
@@ -314,24 +317,39 @@ class TierEngine:
         finally:
             core.cond.release()
 
-    def _bring_up(self, pool: Pool, pages: list[Page], wanted: set[PageId]) -> bool:
-        """Start whatever moves bring ``pages`` closer to the GPU; True if any restore began."""
-        core = self._core
+    def _watch(self, pool: Pool, pages: list[Page], wait: AcquireWait) -> None:
+        """Pin the resident pages now; register ``wait`` on the others."""
+        per_tier = [0, 0, 0]
+        gpu = PageState.GPU
         for page in pages:
-            if page.state is PageState.MOVING_DOWN and page.move is not None:
-                core.cancel(page)
-        on_cpu = [p for p in pages if p.state is PageState.CPU]
-        on_disk = [p for p in pages if p.state is PageState.DISK]
+            per_tier[page.tier] += 1
+            if page.state is gpu:
+                self._pin(pool, page)
+                wait.pinned.append(page)
+            else:
+                if page.waits is None:
+                    page.waits = [wait]
+                else:
+                    page.waits.append(wait)
+                wait.left += 1
+        hits = self._core.counters.hits
+        for tier in Tier:
+            hits[tier] += per_tier[tier]
+
+    def _start_up(self, pool: Pool, on_cpu: list[Page], on_disk: list[Page],
+                  wanted: set[PageId]) -> tuple[list[Page], list[Page]]:
+        """Start the next leg toward the GPU; returns the pages still waiting for room."""
+        core = self._core
+        on_cpu = [p for p in on_cpu if p.state is PageState.CPU]
+        on_disk = [p for p in on_disk if p.state is PageState.DISK]
         # GPU room first: the victims need CPU slots that disk restores would otherwise take.
         short = len(on_cpu) + len(on_disk) - pool.dev.num_free
         if short > 0:
             self._make_room(pool, short, wanted)
-        began = core.restore_cpu(pool, on_cpu)
+        started = core.restore_cpu(pool, on_cpu)
         if short <= 0:
-            began += core.restore_disk(on_disk)
-        for page in on_cpu + on_disk:
-            core.counters.hits[page.tier] += int(page.moving)
-        return began > 0 or any(p.moving for p in pages)
+            core.restore_disk(on_disk)
+        return on_cpu[started:], [p for p in on_disk if p.state is PageState.DISK]
 
     def _make_room(self, pool: Pool, n: int, keep: set[PageId]) -> None:
         """Evict ``n`` GPU victims (urgently) unless enough slots are already on their way."""

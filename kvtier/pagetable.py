@@ -43,6 +43,7 @@ class Page:
     move: Move | None = None  # the move in flight (state MOVING_*), else None
     doomed: bool = False  # freed while moving: release everything when the move completes
     ready: Any = None  # CUDA event recorded when the engine last released the page
+    waits: list[AcquireWait] | None = None  # acquires waiting for this page to reach the GPU
 
     def meta(self) -> PageMeta:
         return PageMeta(self.page_id, self.priority, self.position, self.length)
@@ -50,6 +51,23 @@ class Page:
     @property
     def moving(self) -> bool:
         return self.state in (PageState.MOVING_DOWN, PageState.MOVING_UP)
+
+
+@dataclass(slots=True, eq=False)
+class AcquireWait:
+    """One acquire's progress, advanced by move completions (never by rescanning pages).
+
+    A page that lands on the GPU is pinned for the waiting acquire at once (so nothing can evict
+    it before the acquire wakes) and counted down from ``left``; a page that lands in the CPU
+    tier (the disk leg of a restore) is queued in ``on_cpu`` for its GPU leg; ``on_disk`` and
+    ``lost`` report pages that went down or were dropped meanwhile.
+    """
+
+    left: int = 0
+    pinned: list[Page] = field(default_factory=list)
+    on_cpu: list[Page] = field(default_factory=list)
+    on_disk: list[Page] = field(default_factory=list)
+    lost: list[PageId] = field(default_factory=list)
 
 
 @dataclass(slots=True)
