@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
 COMPLETE_CHUNK = 256  # pages finished per engine-lock hold
+YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
+YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -70,6 +72,7 @@ class EngineCore:
         create_policy(config.policy)  # fail at start on an unknown name
         self.cpu_policy: dict[int, EvictionPolicy] = {}
         self.disk_policy: dict[int, EvictionPolicy] = {}
+        self.restore_waiters = 0  # acquires waiting on a restore (offload completions yield)
         self.cpu_protected: dict[PageId, int] = {}  # pages a restore or load needs kept in CPU
         self.admission = create_admission(config.disk_admission)
         self.closed = False
@@ -333,22 +336,26 @@ class EngineCore:
 
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
-        """Finish a batch, a few pages per lock hold; slots go back to their tiers in bulk.
+        """Finish a batch, a chunk of pages per lock hold; slots go back to their tiers in bulk.
 
-        Between chunks the lock is released and the thread yields, so a restore waiting on the
-        lock (to start, or to finish its own batch) runs behind at most one chunk, not a whole
-        offload batch.
+        Restores first, here too: while an acquire waits for a restore, an offload batch is
+        finished a few pages at a time and yields between chunks, so the restore's own steps
+        (start, completion, pin) never queue behind a whole offload batch.
         """
-        for start in range(0, len(moves), COMPLETE_CHUNK):
-            if start:
-                time.sleep(0)
+        restoring = bool(moves) and moves[0].direction.is_restore
+        start = 0
+        while start < len(moves):
+            step = COMPLETE_CHUNK if restoring or not self.restore_waiters else YIELD_CHUNK
             with self.cond:
                 frees = _Frees()
-                end = start + COMPLETE_CHUNK
+                end = start + step
                 for move, ok in zip(moves[start:end], results[start:end], strict=True):
                     self._finish(move, ok, frees)
                 frees.apply(self)
                 self.cond.notify_all()
+            start += step
+            if self.restore_waiters and not restoring and start < len(moves):
+                time.sleep(YIELD_S)
         with self.cond:
             for move, ok in zip(moves, results, strict=True):
                 c = self.counters.moved[move.direction]

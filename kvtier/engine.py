@@ -225,6 +225,7 @@ class TierEngine:
             if len(unique) > pool.num_slots - others:
                 return None
             wait = AcquireWait()
+            counted = False
             core.protect(wanted)  # neither cascade may push these down meanwhile
             try:
                 self._check_lost(unique)
@@ -235,6 +236,9 @@ class TierEngine:
                 for page in unique:
                     if page.state is PageState.MOVING_DOWN:
                         core.cancel(page)  # back on the GPU: its wait pins it
+                if wait.left:
+                    core.restore_waiters += 1
+                    counted = True
                 while wait.left:
                     if wait.lost:
                         raise PageLost(f"pages {wait.lost} were dropped and must be recomputed")
@@ -250,6 +254,8 @@ class TierEngine:
                     self._unpin(pool, page)
                 raise
             finally:
+                if counted:
+                    core.restore_waiters -= 1
                 for page in unique:
                     if page.waits:
                         page.waits = [w for w in page.waits if w is not wait] or None
