@@ -13,6 +13,7 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -31,17 +32,19 @@ from kvtier.scheduler import TransferScheduler
 from kvtier.stats import EngineCounters
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.pinned import HostArena
-from kvtier.transfer import build_handlers
+from kvtier.transfer import build_handlers, build_inline_restore
 from kvtier.transfer.base import Move
 from kvtier.types import Direction, PageId, PageState, PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
 
+log = logging.getLogger(__name__)
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
 COMPLETE_CHUNK = 256  # pages finished per engine-lock hold
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
+INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -77,6 +80,7 @@ class EngineCore:
         self.admission = create_admission(config.disk_admission)
         self.closed = False
         handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
+        self.inline_restore = build_inline_restore(self.device, self.host, INLINE_RESTORE_BYTES)
         self.scheduler = TransferScheduler(
             handlers,
             batch_bytes=config.batch_bytes,
@@ -266,13 +270,21 @@ class EngineCore:
         return move
 
     def start_many(
-        self, pages: list[Page], direction: Direction, dsts: list[int], *, urgent: bool
+        self,
+        pages: list[Page],
+        direction: Direction,
+        dsts: list[int],
+        *,
+        urgent: bool,
+        out: _Chunks | None = None,
     ) -> int:
         """``start`` for a batch of pages of one direction, submitted a batch at a time.
 
-        The same steps as ``start``, inlined: this loop runs once per page moved.
+        The same steps as ``start``, inlined: this loop runs once per page moved. With ``out``
+        the moves are collected there instead (the caller runs them).
         """
-        out = _Chunks(self.scheduler, self.config.batch_bytes)
+        if out is None:
+            out = _Chunks(self.scheduler, self.config.batch_bytes)
         state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
         gpu_side = direction in _GPU_SIDE
         down = direction is Direction.GPU_TO_CPU
@@ -317,11 +329,29 @@ class EngineCore:
         return queued
 
     def restore_cpu(self, pool: Pool, pages: list[Page], *, urgent: bool = True) -> int:
-        """Queue CPU->GPU for as many pages as the pool has free slots."""
+        """CPU->GPU for as many pages as the pool has free slots.
+
+        A small urgent restore (at most ``INLINE_RESTORE_BYTES``) runs right here on the caller's
+        thread with its own stream and staging: no hand-off to a lane and back, which under an
+        offload backlog costs more than the copy. Larger ones are queued on the up lane.
+        """
         slots = pool.dev.alloc(len(pages)) if pages else []
         if slots is None:
             slots = pool.dev.alloc(min(pool.dev.num_free, len(pages))) or []
-        return self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=urgent)
+        nbytes = len(slots) * pool.page_size
+        if not urgent or not slots or nbytes > INLINE_RESTORE_BYTES or self.closed:
+            return self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=urgent)
+        batch = _Chunks(None, 0)
+        started = self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=True, out=batch)
+        moves = batch.moves
+        begin = time.perf_counter()
+        try:
+            results = self.inline_restore.run(moves)
+        except Exception:
+            log.exception("inline restore of %d pages failed", len(moves))
+            results = [False] * len(moves)
+        self.complete(moves, results, time.perf_counter() - begin)
+        return started
 
     def restore_disk(self, pages: list[Page]) -> int:
         """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
@@ -481,25 +511,30 @@ class _Frees:
 
 
 class _Chunks:
-    """Submits prepared moves a batch at a time, so copies start while the rest is prepared."""
+    """Submits prepared moves a batch at a time, so copies start while the rest is prepared.
 
-    __slots__ = ("_bytes", "_limit", "_moves", "_scheduler", "total")
+    Without a scheduler it only collects them in ``moves`` (the caller runs them itself).
+    """
 
-    def __init__(self, scheduler: TransferScheduler, batch_bytes: int) -> None:
+    __slots__ = ("_bytes", "_limit", "_scheduler", "moves", "total")
+
+    def __init__(self, scheduler: TransferScheduler | None, batch_bytes: int) -> None:
         self._scheduler, self._limit = scheduler, batch_bytes
-        self._moves: list[Move] = []
+        self.moves: list[Move] = []
         self._bytes = 0
         self.total = 0
 
     def add(self, move: Move) -> None:
-        self._moves.append(move)
+        self.moves.append(move)
         self._bytes += move.nbytes
-        if self._bytes >= self._limit:
+        if self._scheduler is not None and self._bytes >= self._limit:
             self.flush()
 
     def flush(self) -> int:
-        if self._moves:
-            self._scheduler.submit(self._moves)
-            self.total += len(self._moves)
-            self._moves, self._bytes = [], 0
+        if self._scheduler is None:
+            return len(self.moves)
+        if self.moves:
+            self._scheduler.submit(self.moves)
+            self.total += len(self.moves)
+            self.moves, self._bytes = [], 0
         return self.total

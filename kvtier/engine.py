@@ -247,6 +247,8 @@ class TierEngine:
                     wait.on_cpu, wait.on_disk = [], []
                     if on_cpu or on_disk:
                         on_cpu, on_disk = self._start_up(pool, on_cpu, on_disk, wanted)
+                    if not wait.left:  # a small restore runs inline and may be done already
+                        break
                     if not self._wait(deadline):
                         raise DeadlineExceeded(f"acquire of {len(unique)} pages timed out")
             except BaseException:
@@ -558,6 +560,7 @@ class TierEngine:
             core.cond.notify_all()
         self._watermarks.stop()
         core.scheduler.close(grace)
+        core.inline_restore.close()
         with core.cond:
             for pool in list(core.pools.values()):
                 pool.dev.close()

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
     from kvtier.tiers.pinned import HostArena
 
-__all__ = ["Move", "TransferHandler", "build_handlers"]
+__all__ = ["Move", "TransferHandler", "build_handlers", "build_inline_restore"]
 
 
 def build_handlers(
@@ -36,3 +36,17 @@ def build_handlers(
         handlers[Direction.CPU_TO_DISK] = DiskWrite(host, disk)
         handlers[Direction.DISK_TO_CPU] = DiskRead(host, disk)
     return handlers
+
+
+def build_inline_restore(
+    device: torch.device, host: HostArena, staging_bytes: int
+) -> TransferHandler:
+    """A second CPU->GPU handler (own stream and staging) for small restores run by the
+    acquiring thread itself, beside the scheduler's up lane."""
+    if device.type == "cuda":
+        from kvtier.transfer.cuda import CudaRestore
+
+        return CudaRestore(host, device, staging_bytes)
+    from kvtier.transfer.host import HostRestore
+
+    return HostRestore(host)
