@@ -77,7 +77,7 @@ def wait_state(engine: TierEngine, pool_id, ids, state: PageState) -> None:
     assert not bad, f"{len(bad)} pages not in {state}"
 
 
-def engine_case(page: int, nbytes: int, device: torch.device) -> dict[str, float]:
+def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64) -> dict[str, float]:
     n = nbytes // page
     cfg = OffloadConfig(
         device=str(device),
@@ -222,6 +222,7 @@ def main() -> None:
     ap.add_argument("--batch-gib", type=float, default=1.0)
     ap.add_argument("--backlog-gib", type=float, default=4.0)
     ap.add_argument("--pages", default="16K,64K,256K,2M")
+    ap.add_argument("--batch-mb", type=int, default=64, help="engine batch size (MiB)")
     args = ap.parse_args()
     # As `kvtier serve` does: restores wait at most ~0.5 ms for the GIL behind lane bookkeeping.
     sys.setswitchinterval(0.0005)
@@ -232,7 +233,7 @@ def main() -> None:
     for name in args.pages.split(","):
         page = sizes[name]
         raw = raw_copies(nbytes, page, device)
-        eng = engine_case(page, nbytes, device)
+        eng = engine_case(page, nbytes, device, args.batch_mb)
         rows.append({"page": name, **raw, **eng})
         print(json.dumps(rows[-1]), flush=True)
     lat = latency_case(device, int(args.backlog_gib * GIB))
