@@ -94,12 +94,6 @@ class OffloadConfig:
     pinned_chunk_mb: int = _opt(
         64, "PINNED_CHUNK_MB", "Size of each exact-size pinned host chunk (MiB).", "1..4096"
     )
-    pin_ahead_mb: int = _opt(
-        512,
-        "PIN_AHEAD_MB",
-        "Free pinned host memory kept ready per page size, pinned in the background (MiB).",
-        ">= 0",
-    )
     batch_mb: int = _opt(
         64, "BATCH_MB", "Most bytes moved by one transfer batch (gather + one DMA).", "1..4096"
     )
@@ -254,7 +248,6 @@ def _validate(c: OffloadConfig) -> None:
         ("disk_io_threads", 1 <= c.disk_io_threads <= 64),
         ("pinned_chunk_mb", 1 <= c.pinned_chunk_mb <= 4096),
         ("batch_mb", 1 <= c.batch_mb <= 4096),
-        ("pin_ahead_mb", c.pin_ahead_mb >= 0),
         ("max_inflight_mb", c.max_inflight_mb >= c.batch_mb),
         ("restore_timeout_s", c.restore_timeout_s > 0),
         ("grace_s", c.grace_s > 0),

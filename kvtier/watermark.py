@@ -1,11 +1,9 @@
 """Watermarks: keep free GPU slots ahead of demand, and prefetch back when there is room.
 
-Contract: a background thread keeps ``pin_ahead_mb`` of pinned host memory ready per page size
-in use (so first-time pinning stays off the offload path), and checks every pool every
-``interval`` seconds. A pool above ``threshold`` use gets its coldest unpinned pages offloaded
-until it would be at ``low_watermark``. With ``prefetch`` on, a pool below ``low_watermark``
-gets its CPU pages (newest first) restored, never past ``low_watermark``; it never evicts to
-prefetch.
+Contract: a background thread checks every pool every ``interval`` seconds (and whenever the engine
+notifies). A pool above ``threshold`` use gets its coldest unpinned pages offloaded until it would
+be at ``low_watermark``. With ``prefetch`` on, a pool below ``low_watermark`` gets its most recently
+CPU pages (newest first) restored, never past ``low_watermark``. It never evicts to prefetch.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import math
 import threading
 import time
 
-from kvtier.config import MIB
 from kvtier.core import EngineCore
 from kvtier.pool import Pool, Protected
 from kvtier.types import PageState
@@ -44,10 +41,6 @@ class Watermarks:
                     return
                 for pool in list(core.pools.values()):
                     self.check(pool)
-                sizes = {pool.page_size for pool in core.pools.values()}
-            spare = core.config.pin_ahead_mb * MIB
-            for size in sizes if spare else ():
-                core.host.pin_ahead(size, spare)  # outside the engine lock: it may fault 256 MiB
 
     def check(self, pool: Pool) -> None:
         cfg = self._core.config

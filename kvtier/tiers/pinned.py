@@ -36,14 +36,10 @@ class _Mapping:
 
     __slots__ = ("mm", "nbytes", "pinned", "tensor")
 
-    def __init__(self, nbytes: int, pin: bool, prefault: bool = False) -> None:
+    def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
         self.mm = mmap.mmap(-1, nbytes)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        if prefault and pin:
-            # Touch every page first (torch releases the GIL for this): registering faulted
-            # memory takes ~10 ms per 256 MiB instead of ~100-250 ms.
-            self.tensor.fill_(0)
         self.pinned = pin and _register(self.tensor.data_ptr(), nbytes)
 
     def release(self) -> None:
@@ -246,31 +242,6 @@ class HostArena:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def pin_ahead(self, page_size: int, spare_bytes: int) -> int:
-        """Keep ``spare_bytes`` of free, already pinned slots of ``page_size`` ready.
-
-        Maps, faults and pins one more chunk when fewer are free and the budget allows; the slow
-        part runs outside the lock, so allocations proceed meanwhile. Meant for a background
-        thread: it moves first-use pinning off the offload path. Returns the bytes added.
-        """
-        _check_page_size(page_size)
-        with self._lock:
-            if self._closed:
-                return 0
-            slab = self._slab(page_size)
-            free = sum(rs.total for rs in slab.free.values()) * page_size
-            if free >= spare_bytes or self._reserved + slab.chunk_bytes > self.budget_bytes:
-                return 0
-            self._reserved += slab.chunk_bytes  # held for the chunk while it is being made
-        mapping = _Mapping(slab.chunk_bytes, self.pin, prefault=True)
-        with self._lock:
-            if self._closed:
-                self._reserved -= slab.chunk_bytes
-                mapping.release()
-                return 0
-            self._add_chunk(slab, mapping)
-        return slab.chunk_bytes
-
     # ---- internals (caller holds the lock) -----------------------------------------------
     def _slab(self, page_size: int) -> _Slab:
         slab = self._slabs.get(page_size)
@@ -335,16 +306,12 @@ class HostArena:
         return self._reserved + nbytes <= self.budget_bytes
 
     def _new_chunk(self, slab: _Slab) -> int:
-        self._reserved += slab.chunk_bytes
-        return self._add_chunk(slab, _Mapping(slab.chunk_bytes, self.pin))
-
-    def _add_chunk(self, slab: _Slab, mapping: _Mapping) -> int:
-        """Insert a mapping whose bytes are already counted in ``_reserved``."""
         chunk_no = 0
         while chunk_no in slab.chunks:  # reuse the lowest number: slot ids stay small
             chunk_no += 1
-        slab.chunks[chunk_no] = mapping
+        slab.chunks[chunk_no] = _Mapping(slab.chunk_bytes, self.pin)
         slab.free[chunk_no] = RunSet(slab.per_chunk)
+        self._reserved += slab.chunk_bytes
         return chunk_no
 
     def _maybe_release(self, slab: _Slab, chunk_no: int) -> None:
