@@ -30,6 +30,7 @@ from kvtier import OffloadConfig, PageState, TierEngine
 
 GIB = 1 << 30
 PAGE = 2 << 20
+ROUNDS = 3  # restores are timed as the best of this many, in-process and daemon alike
 
 
 def q(xs: list[float], p: int) -> float:
@@ -81,14 +82,15 @@ def rtt(client: KVTierClient, att, ids: list[int], per_call: int, n: int = 2000)
 def daemon_restore(client: KVTierClient, att, ids: list[int], nbytes: int) -> float:
     n = nbytes // PAGE
     victims = ids[:n]
-    for _ in range(2):  # warm-up round pins host chunks; the second is measured
+    best = float("inf")
+    for i in range(ROUNDS + 1):  # round 0 pins the host chunks and is not counted
         client.offload(att, victims)
         wait_idle(client)
         t0 = time.perf_counter()
         client.acquire(att, victims, timeout=60)
-        dt = time.perf_counter() - t0
+        best = min(best, time.perf_counter() - t0) if i else best
         client.release(att, victims)
-    return nbytes / dt / 1e9
+    return nbytes / best / 1e9
 
 
 def inproc_restore(device: str, nbytes: int) -> float:
@@ -102,15 +104,16 @@ def inproc_restore(device: str, nbytes: int) -> float:
         ids = [p for p, _ in engine.allocate(pool.pool_id, 2 * n)]
         engine.release(pool.pool_id, ids)
         victims = ids[:n]
-        for _ in range(2):
+        best = float("inf")
+        for i in range(ROUNDS + 1):  # measured exactly like the daemon: best of ROUNDS
             engine.offload(pool.pool_id, victims)
             engine.wait_idle()
             assert engine.page_info(pool.pool_id, victims[-1]).state is PageState.CPU
             t0 = time.perf_counter()
             engine.acquire(pool.pool_id, victims)
-            dt = time.perf_counter() - t0
+            best = min(best, time.perf_counter() - t0) if i else best
             engine.release(pool.pool_id, victims)
-        return nbytes / dt / 1e9
+        return nbytes / best / 1e9
     finally:
         engine.close()
 
