@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.batches import Chunks, Frees
+from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
+from kvtier.errors import NotFound, Unavailable
 from kvtier.events import Event, EventHub
 from kvtier.pagetable import Page, PageTable
 from kvtier.policy.admission import create_admission
@@ -87,6 +90,7 @@ class EngineCore:
             max_inflight_bytes=config.max_inflight_mb * MIB,
             on_complete=self.complete,
         )
+        self.cascade = Cascade(self)
         self._reload_disk()
 
     def _reload_disk(self) -> None:
@@ -108,6 +112,17 @@ class EngineCore:
             )
             self.table.add(page)
             self.settle(page, Tier.DISK, slot)
+
+    def pool_of(self, pool_id: PoolId) -> Pool:
+        """The pool, or ``NotFound`` (the same answer for another tenant's ids)."""
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"pool {pool_id} not found")
+        return pool
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Unavailable("the engine is shut down")
 
     def protect(self, ids: Iterable[PageId]) -> None:
         for pid in ids:
@@ -184,57 +199,6 @@ class EngineCore:
         self.events.publish(Event("dropped", page.pool_id, page.page_id, src, None))
 
     # -- room ------------------------------------------------------------------------------------
-    def cpu_slots(self, page_size: int, n: int) -> list[int]:
-        """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room."""
-        got = self.host.alloc(page_size, n)
-        if got is None:
-            self.make_cpu_room(page_size, n)
-            got = self.host.alloc(page_size, n)
-        if got is None:
-            got = []
-            for _ in range(n):
-                one = self.host.alloc(page_size, 1)
-                if one is None:
-                    break
-                got.extend(one)
-        return list(got)
-
-    def make_cpu_room(self, page_size: int, n: int) -> None:
-        policy = self.cpu_policy.get(page_size)
-        if policy is None or not len(policy):
-            return
-        k = min(n, len(policy) - sum(1 for p in self.cpu_protected if p in policy))
-        victims = policy.evict(k, self.cpu_protected) if k > 0 else None
-        for pid in victims or []:
-            self.counters.evictions[Tier.CPU] += 1
-            self.demote_cpu(self.table.pages[pid])
-
-    def demote_cpu(self, page: Page) -> None:
-        """A CPU victim goes to disk if admitted and there is room, else it is dropped."""
-        self.policy_of(page).insert(page.meta())  # back in, so ``unsettle`` is uniform
-        if self.disk is None or not self.admission.admit(page.meta(), page.hits):
-            self.drop(page, "no_admission" if self.disk is not None else "cpu_full")
-            return
-        slots = self.disk.alloc(page.page_size, 1)
-        if slots is None:
-            self.make_disk_room(page.page_size)
-            slots = self.disk.alloc(page.page_size, 1)
-        if slots is None:
-            self.drop(page, "disk_full")
-            return
-        self.start(page, Direction.CPU_TO_DISK, slots[0])
-
-    def make_disk_room(self, page_size: int) -> None:
-        policy = self.disk_policy.get(page_size)
-        if policy is None or not len(policy):
-            return
-        victims = policy.evict(1, self.cpu_protected)  # never a page a restore is waiting for
-        for pid in victims or []:
-            page = self.table.pages[pid]
-            self.counters.evictions[Tier.DISK] += 1
-            policy.insert(page.meta())
-            self.drop(page, "disk_full")
-
     # -- prepare ---------------------------------------------------------------------------------
     def start(
         self,
@@ -276,7 +240,7 @@ class EngineCore:
         dsts: list[int],
         *,
         urgent: bool,
-        out: _Chunks | None = None,
+        out: Chunks | None = None,
     ) -> int:
         """``start`` for a batch of pages of one direction, submitted a batch at a time.
 
@@ -284,7 +248,7 @@ class EngineCore:
         the moves are collected there instead (the caller runs them).
         """
         if out is None:
-            out = _Chunks(self.scheduler, self.config.batch_bytes)
+            out = Chunks(self.scheduler, self.config.batch_bytes)
         state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
         gpu_side = direction in _GPU_SIDE
         down = direction is Direction.GPU_TO_CPU
@@ -324,7 +288,7 @@ class EngineCore:
             by_size.setdefault(p.page_size, []).append(p)
         queued = 0
         for size, group in by_size.items():
-            slots = self.cpu_slots(size, len(group))
+            slots = self.cascade.cpu_slots(size, len(group))
             queued += self.start_many(group, Direction.GPU_TO_CPU, slots, urgent=urgent)
         return queued
 
@@ -341,7 +305,7 @@ class EngineCore:
         nbytes = len(slots) * pool.page_size
         if not urgent or not slots or nbytes > INLINE_RESTORE_BYTES or self.closed:
             return self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=urgent)
-        batch = _Chunks(None, 0)
+        batch = Chunks(None, 0)
         started = self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=True, out=batch)
         moves = batch.moves
         begin = time.perf_counter()
@@ -360,7 +324,7 @@ class EngineCore:
             by_size.setdefault(page.page_size, []).append(page)
         started = 0
         for size, group in by_size.items():
-            slots = self.cpu_slots(size, len(group))
+            slots = self.cascade.cpu_slots(size, len(group))
             started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
         return started
 
@@ -377,7 +341,7 @@ class EngineCore:
         while start < len(moves):
             step = COMPLETE_CHUNK if restoring or not self.restore_waiters else YIELD_CHUNK
             with self.cond:
-                frees = _Frees()
+                frees = Frees()
                 end = start + step
                 for move, ok in zip(moves[start:end], results[start:end], strict=True):
                     self._finish(move, ok, frees)
@@ -399,7 +363,7 @@ class EngineCore:
                 self.counters.moved[moves[0].direction].seconds += seconds
             self.cond.notify_all()
 
-    def _finish(self, move: Move, ok: bool, frees: _Frees | None = None) -> None:
+    def _finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
         page = move.page
         if move.copy or page is None:
             if page is not None and move.direction is Direction.GPU_TO_CPU:  # a stored block
@@ -480,61 +444,3 @@ class EngineCore:
         else:
             for wait in waits:
                 (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
-
-
-class _Frees:
-    """Source slots of a completed batch, returned to their tiers in one call per tier."""
-
-    __slots__ = ("_slots",)
-
-    def __init__(self) -> None:
-        self._slots: dict[tuple[Tier, int], tuple[Pool | None, list[int]]] = {}
-
-    def add(self, tier: Tier, pool: Pool | None, page_size: int, slot: int) -> None:
-        key = (tier, pool.pool_id if tier is Tier.GPU and pool is not None else page_size)
-        entry = self._slots.get(key)
-        if entry is None:
-            entry = self._slots[key] = (pool, [])
-        entry[1].append(slot)
-
-    def apply(self, core: EngineCore) -> None:
-        for (tier, key), (pool, slots) in self._slots.items():
-            if tier is Tier.GPU:
-                assert pool is not None
-                pool.dev.free(slots)
-            elif tier is Tier.CPU:
-                core.host.free(key, slots)
-            else:
-                assert core.disk is not None
-                core.disk.free(key, slots)
-        self._slots.clear()
-
-
-class _Chunks:
-    """Submits prepared moves a batch at a time, so copies start while the rest is prepared.
-
-    Without a scheduler it only collects them in ``moves`` (the caller runs them itself).
-    """
-
-    __slots__ = ("_bytes", "_limit", "_scheduler", "moves", "total")
-
-    def __init__(self, scheduler: TransferScheduler | None, batch_bytes: int) -> None:
-        self._scheduler, self._limit = scheduler, batch_bytes
-        self.moves: list[Move] = []
-        self._bytes = 0
-        self.total = 0
-
-    def add(self, move: Move) -> None:
-        self.moves.append(move)
-        self._bytes += move.nbytes
-        if self._scheduler is not None and self._bytes >= self._limit:
-            self.flush()
-
-    def flush(self) -> int:
-        if self._scheduler is None:
-            return len(self.moves)
-        if self.moves:
-            self._scheduler.submit(self.moves)
-            self.total += len(self.moves)
-            self.moves, self._bytes = [], 0
-        return self.total

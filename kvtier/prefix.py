@@ -122,7 +122,7 @@ class PrefixStore:
         core = self._core
         deadline = time.monotonic() + core.config.restore_timeout_s
         while True:
-            got = core.cpu_slots(page_size, 1)
+            got = core.cascade.cpu_slots(page_size, 1)
             if got or time.monotonic() > deadline:
                 return got
             if pending:  # let the copies prepared so far start, so they can cascade
