@@ -44,14 +44,6 @@ def _add_serve(sub: Any) -> None:
             p.add_argument(flag, dest=name, type=typ, help=text)
 
 
-def _not_implemented(name: str) -> Any:
-    def run(_args: argparse.Namespace) -> int:
-        print(f"kvtier {name}: not implemented yet", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache tiering daemon.")
     sub = parser.add_subparsers(dest="command", required=True)

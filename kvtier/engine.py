@@ -269,6 +269,13 @@ class TierEngine:
         return self.prefix.load(pool_id, keys, slots)
 
     # -- operations -----------------------------------------------------------------------------
+    def drain_restore_latencies(self) -> list[float]:
+        """Restore latencies (seconds) recorded since the last drain; for the metrics exporter."""
+        with self._core.cond:
+            samples = self._core.counters.restore_latencies[:]
+            self._core.counters.restore_latencies.clear()
+            return samples
+
     def subscribe(self, maxsize: int = 1024) -> EventSubscription:
         return self._core.events.subscribe(maxsize)
 

@@ -8,7 +8,7 @@ change them only together.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -54,22 +54,13 @@ class EngineCollector(Collector):
             buckets=LATENCY_BUCKETS, registry=None,
         )
 
-    def _drain_restores(self, stats: EngineStats) -> None:
-        drain: Callable[[], list[float]] | None = getattr(
-            self._engine, "drain_restore_latencies", None
-        )
-        if drain is not None:
-            samples = drain()
-        else:  # the live list: take a prefix, the engine only appends
-            live = stats.counters.restore_latencies
-            samples = live[:]
-            del live[: len(samples)]
-        for s in samples:
+    def _drain_restores(self) -> None:
+        for s in self._engine.drain_restore_latencies():
             self._restore.observe(s)
 
     def collect(self) -> Iterator[Metric]:
         s: EngineStats = self._engine.stats()
-        self._drain_restores(s)
+        self._drain_restores()
         yield from self._tiers(s)
         yield from self._moves(s)
         yield from self._engine_totals(s)
