@@ -57,6 +57,8 @@ def test_scrape_has_every_contracted_metric(scrape: str) -> None:
         and not ({m, f"{m}_bucket", f"{m}_count", f"{m}_total"} & served)
     ]
     assert not missing, f"metrics in deploy/metrics.txt not served: {missing}"
+    count = [line for line in samples if line.startswith("kvtier_restore_latency_seconds_count")]
+    assert count and float(count[0].rsplit(" ", 1)[1]) >= 1, "the restore was not observed"
     moved = [line for line in scrape.splitlines() if line.startswith("kvtier_moved_bytes_total{")]
     assert any(float(line.rsplit(" ", 1)[1]) > 0 for line in moved), "workload moved no bytes"
 
