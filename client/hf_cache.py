@@ -10,6 +10,14 @@
 - ``save(cache, token_ids) -> int``: after a turn, store the full blocks of ``token_ids`` whose KV
   the cache holds and kvtier lacks; returns how many blocks it stored.
 
+By default blocks are stored as keyed pages (CPU and disk tiers; they outlive the store and are
+shared by every store of the tenant). ``keep_on_gpu=True`` keeps this store's blocks as ordinary
+pages of its own pool of ``gpu_slots`` slots instead (see ``_hf_pool``): they start on the GPU
+tier, the engine offloads and restores them like any page (``pool_id`` / ``page_ids()`` name
+them), and they are freed by ``close``. Restore then takes the pool's pages first and continues
+with keyed pages for the rest of the prefix. ``cache.restored_tiers`` counts where each block
+was (pool pages through a daemon client report no tier and are not counted).
+
 A page is one block of ``block_size`` tokens' KV across all layers, laid out
 ``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and padded to 4 KiB. Keys are
 chained hashes of token ids in a namespace of the model layout (see ``_blocks``); kvtier salts
@@ -31,6 +39,7 @@ from kvtier.types import Tier
 
 from ._backend import Backend, Staging, as_backend, round_page
 from ._blocks import chain_keys, namespace
+from ._hf_pool import PoolPages, read_rows, write_rows
 
 
 class KVTierCache(DynamicCache):
@@ -96,7 +105,8 @@ class ConversationStore:
 
     def __init__(self, target: Any, *, model_config: Any, dtype: torch.dtype,
                  device: torch.device | str, tenant: str | None = None, block_size: int = 256,
-                 staging_slots: int = 32, model_id: str = "") -> None:
+                 staging_slots: int = 32, model_id: str = "", keep_on_gpu: bool = False,
+                 gpu_slots: int = 64) -> None:
         self.backend: Backend = as_backend(target, tenant)
         self.layout = KVLayout.of(model_config, block_size, dtype)
         self.device = torch.device(device)
@@ -105,10 +115,32 @@ class ConversationStore:
         self.counters = StoreCounters()
         page = round_page(self.layout.raw_bytes)
         self._staging: Staging = self.backend.attach(staging_slots, page)
+        self._pool: PoolPages | None = None
+        if keep_on_gpu:
+            try:
+                self._pool = PoolPages(self.backend, gpu_slots, page)
+            except BaseException:
+                self.backend.detach(self._staging.handle)
+                raise
+
+    @property
+    def pool_id(self) -> int:
+        """The pool holding this store's pages (``keep_on_gpu=True`` only)."""
+        if self._pool is None:
+            raise ValueError("pool pages need keep_on_gpu=True")
+        return self._pool.pool_id
+
+    def page_ids(self) -> list[int]:
+        """This store's pool pages, oldest first (empty unless ``keep_on_gpu=True``)."""
+        return [] if self._pool is None else self._pool.page_ids()
 
     def close(self) -> None:
-        """Detach the staging pool (stored blocks stay in kvtier)."""
-        self.backend.detach(self._staging.handle)
+        """Detach the staging pool (keyed blocks stay in kvtier) and free the pool pages."""
+        try:
+            if self._pool is not None:
+                self._pool.close()
+        finally:
+            self.backend.detach(self._staging.handle)
 
     def __enter__(self) -> ConversationStore:
         return self
@@ -119,25 +151,31 @@ class ConversationStore:
     # --- restore --------------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` :meth:`restore` would restore now."""
-        return len(self._lookup(self._restorable_keys(token_ids))) * self.layout.block_size
+        return self._held(self._restorable_keys(token_ids)) * self.layout.block_size
+
+    def _held(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` kvtier holds: pool pages first, then keyed pages."""
+        n = 0 if self._pool is None else self._pool.known(keys)
+        return n + len(self._lookup(keys[n:]))
 
     def restore(self, token_ids: Sequence[int]) -> KVTierCache:
         """A cache holding the KV of the longest stored prefix (possibly empty)."""
         cache = KVTierCache(config=self.model_config)
         keys = self._restorable_keys(token_ids)
-        tiers = self._lookup(keys)
         parts: list[torch.Tensor] = []
-        step = self._staging.num_slots
-        for i in range(0, len(tiers), step):
-            rows = self._load(keys[i : i + step])
-            if rows is None:
-                break
-            parts.append(self.layout.unpack(rows.to(self.device)))
-            cache.restored_tiers.update(tiers[i : i + rows.shape[0]])
-            if rows.shape[0] < len(keys[i : i + step]):
-                break
+        tiers: list[Tier | None] = []
+        if self._pool is not None:
+            rows, got = self._pool.load(keys, self.layout.raw_bytes)
+            if rows is not None:
+                parts.append(rows)
+                tiers += got
+        keyed, keyed_tiers = self._load_keyed(keys[len(tiers) :])
+        parts += keyed
+        tiers += keyed_tiers
+        cache.restored_tiers.update(t for t in tiers if t is not None)
         if parts:
-            kv = torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]
+            rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+            kv = self.layout.unpack(rows.to(self.device))
             for layer in range(self.layout.layers):
                 cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
             cache.restored_tokens = kv.shape[3]
@@ -152,6 +190,22 @@ class ConversationStore:
     def _lookup(self, keys: list[bytes]) -> list[Tier]:
         return self.backend.lookup(keys) if keys else []
 
+    def _load_keyed(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[Tier | None]]:
+        """Rows (``[n, raw]`` parts) of the longest loadable keyed prefix of ``keys``, and tiers."""
+        tiers = self._lookup(keys)
+        parts: list[torch.Tensor] = []
+        got: list[Tier | None] = []
+        step = self._staging.num_slots
+        for i in range(0, len(tiers), step):
+            rows = self._load(keys[i : i + step])
+            if rows is None:
+                break
+            parts.append(rows)
+            got += tiers[i : i + rows.shape[0]]
+            if rows.shape[0] < len(keys[i : i + step]):
+                break
+        return parts, got
+
     def _load(self, keys: list[bytes]) -> torch.Tensor | None:
         """Bytes of the leading loadable blocks of ``keys`` (``[n, raw]``), or None if none."""
         st, b = self._staging, self.backend
@@ -163,8 +217,7 @@ class ConversationStore:
             got = b.load(st.handle, keys, slots)
             if got == 0:
                 return None
-            idx = torch.tensor(slots[:got], device=st.rows.device)
-            return st.rows.index_select(0, idx)[:, : self.layout.raw_bytes]
+            return read_rows(st, slots[:got], self.layout.raw_bytes)
         finally:
             b.release(st.handle, ids)
             b.free(st.handle, ids)
@@ -192,11 +245,16 @@ class ConversationStore:
         held = min(len(token_ids), cache.get_seq_length())
         bs = self.layout.block_size
         keys = chain_keys(list(token_ids[: held // bs * bs]), bs, ns=self.ns)
-        start = len(self._lookup(keys))
+        pool = self._pool
+        start = len(self._lookup(keys)) if pool is None else pool.known(keys)
         if start == len(keys):
             return 0
         kv = self._gather(cache, start * bs, len(keys) * bs)
         rows = self.layout.pack(kv)
+        if pool is not None:
+            saved = pool.save(keys[start:], rows)
+            self.counters.stored_blocks += saved
+            return saved
         stored, step = 0, self._staging.num_slots
         for i in range(0, rows.shape[0], step):
             n = self._store(keys[start + i : start + i + step], rows[i : i + step])
@@ -224,13 +282,7 @@ class ConversationStore:
             return 0
         ids, slots = [p for p, _ in pages], [s for _, s in pages]
         try:
-            dst = st.rows
-            idx = torch.tensor(slots, device=dst.device)
-            padded = torch.zeros(len(keys), st.page_size, dtype=torch.uint8, device=dst.device)
-            padded[:, : rows.shape[1]] = rows.to(dst.device)
-            dst.index_copy_(0, idx, padded)
-            if dst.is_cuda:
-                torch.cuda.synchronize(dst.device)
+            write_rows(st, slots, rows)
             return b.store(st.handle, keys, slots)
         finally:
             b.release(st.handle, ids)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ def generate(model, ids: list[int], cache=None, n: int = 8) -> tuple[list[int], 
     return out.sequences[0].tolist(), torch.stack(out.logits)
 
 
-def conversation(model, store: ConversationStore, turns: list[list[int]]) -> list[int]:
+def conversation(model, store: ConversationStore, turns: list[list[int]],
+                 after_save: Callable[[], None] | None = None) -> list[int]:
     """Run the turns with kvtier; each turn checks tokens and logits against full recompute."""
     history: list[int] = []
     restored = []
@@ -43,6 +45,8 @@ def conversation(model, store: ConversationStore, turns: list[list[int]]) -> lis
         assert seq == ref_seq
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
         store.save(cache, seq)
+        if after_save is not None:
+            after_save()
         history = seq
     return restored
 
@@ -151,3 +155,90 @@ def test_tenants_do_not_share(model, cpu_engine: TierEngine) -> None:
             out = model(torch.tensor([ids]), use_cache=True)
         assert a.save(out.past_key_values, ids) == 3
         assert a.lookup(ids) == 48 and b.lookup(ids) == 0
+
+
+# --- keep_on_gpu: blocks as pool pages, restored from whichever tier the engine put them on -----
+
+def pool_store(eng: TierEngine, model, **kw) -> ConversationStore:
+    return ConversationStore(eng, tenant="t", model_config=model.config, dtype=torch.float32,
+                             device="cpu", block_size=BLOCK, keep_on_gpu=True, gpu_slots=16,
+                             **kw)
+
+
+def tiers_of(eng: TierEngine, store: ConversationStore) -> list[Tier | None]:
+    return [eng.page_info(store.pool_id, p).tier for p in store.page_ids()]
+
+
+def offload_all(eng: TierEngine, store: ConversationStore) -> None:
+    eng.offload(store.pool_id, store.page_ids())
+    assert eng.wait_idle(30)
+
+
+def test_pool_pages_restore_from_gpu(model, cpu_engine: TierEngine) -> None:
+    with pool_store(cpu_engine, model) as store:
+        seen: list[list[Tier | None]] = []
+        restored = conversation(model, store, turns(),
+                                after_save=lambda: seen.append(tiers_of(cpu_engine, store)))
+        assert restored == [0, 32, 64]
+        assert seen == [[Tier.GPU] * 2, [Tier.GPU] * 4, [Tier.GPU] * 8]
+        assert store.counters.restored_from == Counter({Tier.GPU: 6})
+        assert cpu_engine.stats().keyed_pages == 0  # pool pages only, no keyed copies
+
+
+def test_pool_pages_restore_from_cpu(model, cpu_engine: TierEngine) -> None:
+    with pool_store(cpu_engine, model) as store:
+        def after_save() -> None:
+            offload_all(cpu_engine, store)
+            assert set(tiers_of(cpu_engine, store)) == {Tier.CPU}
+
+        restored = conversation(model, store, turns(), after_save=after_save)
+        assert restored == [0, 32, 64]
+        assert store.counters.restored_from == Counter({Tier.CPU: 6})
+
+
+def push_down(eng: TierEngine, store: ConversationStore) -> Callable[[], None]:
+    """After each save: offload the store's pages, then 128 filler pages of the same size, so
+    the CPU tier (1 MiB, 12 KiB pages) demotes the conversation's older pages."""
+    filler = eng.attach("t", 32, eng.pool(store.pool_id).page_size)
+
+    def after_save() -> None:
+        offload_all(eng, store)
+        for _ in range(4):
+            got = eng.allocate(filler.pool_id, 32)
+            assert got is not None
+            ids = [p for p, _ in got]
+            eng.release(filler.pool_id, ids)
+            eng.offload(filler.pool_id, ids)
+            assert eng.wait_idle(30)
+
+    return after_save
+
+
+def test_pool_pages_restore_from_disk(model, tmp_path: Path) -> None:
+    with engine(tmp_path, cpu_gb=1 / 1024, disk=True) as eng, pool_store(eng, model) as store:
+        restored = conversation(model, store, turns(), after_save=push_down(eng, store))
+        assert restored == [0, 32, 64]
+        assert store.counters.restored_from[Tier.DISK] > 0
+        assert sum(store.counters.restored_from.values()) == 6
+
+
+def test_pool_pages_dropped_are_recomputed(model, tmp_path: Path) -> None:
+    # No disk: the pushed-down pages are dropped; restore stops there and forgets them.
+    with engine(tmp_path, cpu_gb=1 / 1024, disk=False) as eng, pool_store(eng, model) as store:
+        restored = conversation(model, store, turns(), after_save=push_down(eng, store))
+        assert restored == [0, 0, 0]
+        assert store.counters.restored_from == Counter()
+        assert len(store.page_ids()) == 8  # lost pages forgotten; each turn saved them again
+
+
+def test_pool_pages_through_daemon(model, daemon_factory) -> None:
+    from kvtier.client import connect
+
+    address = daemon_factory(cpu_gb=0.25)
+    with connect(address, tenant="t") as client, ConversationStore(
+            client, model_config=model.config, dtype=torch.float32, device="cpu",
+            block_size=BLOCK, keep_on_gpu=True, gpu_slots=16) as store:
+        restored = conversation(model, store, turns())
+        assert restored == [0, 32, 64]
+        assert len(store.page_ids()) == 8
+        assert store.counters.restored_from == Counter()  # the client reports no page tiers
