@@ -16,6 +16,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from . import ops
 from .attachment import Attachment, from_reply
 from .errors import Unavailable, from_rpc_error
+from .fastlane import ACQUIRE, RELEASE, AsyncFastLane
 from .options import channel_options, default_address, metadata
 
 
@@ -26,6 +27,7 @@ class AsyncKVTierClient:
         self._metadata = metadata(token)
         self._channel = grpc.aio.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
+        self._lanes: dict[str, AsyncFastLane] = {}  # one per daemon socket
 
     async def __aenter__(self) -> AsyncKVTierClient:
         return self
@@ -34,7 +36,22 @@ class AsyncKVTierClient:
         await self.close()
 
     async def close(self) -> None:
+        for lane in self._lanes.values():
+            await lane.close()
         await self._channel.close()
+
+    async def _fast(self, att: Attachment, op: int, page_ids: Sequence[int]) -> list[int] | None:
+        """The fast lane's answer for resident pages, or ``None`` (then the caller uses gRPC)."""
+        sync_lane = att.fast_lane
+        if sync_lane is None or att.tenant != self.tenant:
+            return None
+        frame = sync_lane.frame(op, att.pool_id, page_ids)
+        if frame is None:
+            return None
+        lane = self._lanes.get(sync_lane.path)
+        if lane is None:
+            lane = self._lanes[sync_lane.path] = AsyncFastLane(sync_lane.path)
+        return await lane.call(frame)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the daemon accepts connections (e.g. after a restart), else Unavailable."""
@@ -89,10 +106,19 @@ class AsyncKVTierClient:
 
     async def acquire(self, att: Attachment, page_ids: Sequence[int], *,
                       timeout: float | None = None) -> list[int] | None:
+        slots = await self._fast(att, ACQUIRE, page_ids)  # resident pages: without gRPC
+        if slots is not None:
+            return slots
         return await self._do(ops.acquire(self._ref(att), page_ids, timeout))
 
     async def release(self, att: Attachment, page_ids: Sequence[int]) -> None:
+        if await self._fast(att, RELEASE, page_ids) is not None:
+            return
         await self._do(ops.pages("Release", self._ref(att), page_ids))
+
+    def lane_hits(self) -> int:
+        """Calls the fast lane answered (for tests and benchmarks)."""
+        return sum(lane.hits for lane in self._lanes.values())
 
     async def offload(self, att: Attachment, page_ids: Sequence[int]) -> int:
         return int(await self._do(ops.pages("Offload", self._ref(att), page_ids)))

@@ -7,6 +7,7 @@ does the work in full and reports errors. One socket per thread; a broken lane t
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
@@ -42,11 +43,17 @@ class FastLaneClient:
             sock.close()
             self._local.sock = None
 
-    def _call(self, op: int, pool_id: int, page_ids: Sequence[int]) -> list[int] | None:
+    def frame(self, op: int, pool_id: int, page_ids: Sequence[int]) -> bytes | None:
+        """The request frame, or ``None`` when the lane can't carry this call."""
         n = len(page_ids)
         if not self.enabled or not 0 < n <= MAX_PAGES or min(page_ids) <= 0:
             return None
-        frame = REQUEST.pack(op, n, pool_id, self._capability) + struct.pack(f"<{n}Q", *page_ids)
+        return REQUEST.pack(op, n, pool_id, self._capability) + struct.pack(f"<{n}Q", *page_ids)
+
+    def _call(self, op: int, pool_id: int, page_ids: Sequence[int]) -> list[int] | None:
+        frame = self.frame(op, pool_id, page_ids)
+        if frame is None:
+            return None
         try:
             sock = self._socket()
             sock.sendall(frame)
@@ -79,3 +86,49 @@ class FastLaneClient:
                 raise ConnectionError("fast lane closed")
             buf += chunk
         return buf
+
+
+class AsyncFastLane:
+    """The fast lane for asyncio clients: one connection per daemon, one request at a time.
+
+    ``call`` returns the slots (or ``[]`` for a release) when the lane answered, else ``None``;
+    any socket trouble closes the connection and turns the lane off (gRPC from then on).
+    """
+
+    def __init__(self, path: str, timeout: float = 2.0) -> None:
+        self.path, self._timeout = path, timeout
+        self._lock = asyncio.Lock()
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.enabled = True
+        self.hits = 0
+
+    async def call(self, frame: bytes) -> list[int] | None:
+        if not self.enabled:
+            return None
+        async with self._lock:
+            try:
+                status, slots = await asyncio.wait_for(self._exchange(frame), self._timeout)
+            except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError, struct.error):
+                await self.close()
+                self.enabled = False
+                return None
+        if status != OK:
+            return None
+        self.hits += 1
+        return slots
+
+    async def _exchange(self, frame: bytes) -> tuple[int, list[int]]:
+        if self._streams is None:
+            self._streams = await asyncio.open_unix_connection(self.path)
+        reader, writer = self._streams
+        writer.write(frame)
+        await writer.drain()
+        status, count = REPLY.unpack(await reader.readexactly(REPLY.size))
+        raw = await reader.readexactly(4 * count) if count else b""
+        return status, list(struct.unpack(f"<{count}I", raw))
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            writer = self._streams[1]
+            self._streams = None
+            writer.close()

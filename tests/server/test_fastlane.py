@@ -90,3 +90,29 @@ def test_malformed_frames_close_the_connection_and_the_daemon_keeps_serving(daem
         got = c.allocate(att, 1)
         assert got is not None and c.acquire(att, [got[0][0]]) is not None
         c.detach(att)
+
+
+def test_the_asyncio_client_takes_the_fast_lane_too(daemon: Daemon) -> None:
+    import asyncio
+
+    from kvtier.client import AsyncKVTierClient
+
+    async def scenario() -> None:
+        async with AsyncKVTierClient(daemon.address, "lane-async") as c:
+            att = await c.attach(4)
+            got = await c.allocate(att, 3)
+            assert got is not None
+            ids, slots = [p for p, _ in got], [s for _, s in got]
+            await c.release(att, ids)  # answered by the lane
+            assert (await c.stats()).pinned_pages == 0
+            assert await c.acquire(att, ids) == slots  # resident: the lane again
+            assert (await c.stats()).pinned_pages == 3
+            await c.release(att, ids)
+            assert c.lane_hits() == 3
+            assert await c.offload(att, ids) >= 2
+            for pid in ids:  # off the GPU: gRPC restores, bytes of the right slot come back
+                assert (await c.acquire(att, [pid])) is not None
+                await c.release(att, [pid])
+            await c.detach(att)
+
+    asyncio.run(scenario())
