@@ -57,7 +57,7 @@ class Chunks:
 
     def add(self, move: Move) -> None:
         self.moves.append(move)
-        self._bytes += move.nbytes
+        self._bytes += move.page_size
         if self._scheduler is not None and self._bytes >= self._limit:
             self.flush()
 

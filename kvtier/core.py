@@ -351,17 +351,25 @@ class EngineCore:
             if self.restore_waiters and not restoring and start < len(moves):
                 time.sleep(YIELD_S)
         with self.cond:
-            for move, ok in zip(moves, results, strict=True):
-                c = self.counters.moved[move.direction]
-                if ok:
-                    c.bytes += move.nbytes
-                    c.pages += 1
-                else:
-                    c.failures += 1
-            if moves:
-                self.counters.moved[moves[0].direction].batches += 1
-                self.counters.moved[moves[0].direction].seconds += seconds
+            self._count(moves, results, seconds)
             self.cond.notify_all()
+
+    def _count(self, moves: list[Move], results: list[bool], seconds: float) -> None:
+        if not moves:
+            return
+        direction = moves[0].direction
+        if any(m.direction is not direction for m in moves):  # close(): leftovers of all kinds
+            for move, ok in zip(moves, results, strict=True):
+                self._count([move], [ok], 0.0)
+            return
+        c = self.counters.moved[direction]
+        ok_bytes = sum(m.page_size for m, ok in zip(moves, results, strict=True) if ok)
+        ok_pages = sum(results)
+        c.bytes += ok_bytes
+        c.pages += ok_pages
+        c.failures += len(moves) - ok_pages
+        c.batches += 1
+        c.seconds += seconds
 
     def _finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
         page = move.page
@@ -388,7 +396,8 @@ class EngineCore:
             if dst is Tier.DISK and page.key is not None and self.disk is not None:
                 record = DiskRecord(key=page.key, tenant=page.tenant)
                 self.disk.set_record(page.page_size, DiskSlot(move.dst), record)
-            self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
+            if self.events.active:
+                self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
         else:
             self.free_slot(page.page_size, dst, move.dst, pool)
             page.tier, page.slot = src, move.src

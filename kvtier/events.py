@@ -74,6 +74,11 @@ class EventHub:
             if sub in self._subs:
                 self._subs.remove(sub)
 
+    @property
+    def active(self) -> bool:
+        """Anyone subscribed: callers on hot paths skip building events otherwise."""
+        return bool(self._subs)
+
     def publish(self, event: Event) -> None:
         if not self._subs:  # the common case: nobody watching costs one check
             return

@@ -67,17 +67,17 @@ class _Lane:
 
     def peek_bytes(self, batch_bytes: int) -> int:
         queue = self._head()
-        return min(batch_bytes, queue[0].nbytes * len(queue)) if queue else 0
+        return min(batch_bytes, queue[0].page_size * len(queue)) if queue else 0
 
     def take(self, batch_bytes: int) -> list[Move]:
         queue = self._head()
         assert queue is not None
         batch = [queue.popleft()]
-        size = batch[0].nbytes
+        size = batch[0].page_size
         while queue and queue[0].direction is batch[0].direction:
-            if size + queue[0].nbytes > batch_bytes:
+            if size + queue[0].page_size > batch_bytes:
                 break
-            size += queue[0].nbytes
+            size += queue[0].page_size
             batch.append(queue.popleft())
         return batch
 
@@ -114,11 +114,17 @@ class TransferScheduler:
         with self._cond:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
-            for move in moves:
-                if move.direction not in self._handlers:
-                    raise Unavailable(f"no handler for {move.direction.name}")
-            for move in moves:
-                self._lanes[_LANE_OF[move.direction]].queue_for(move).append(move)
+            runs: list[tuple[deque[Move], list[Move]]] = []
+            key: tuple[Direction, bool] | None = None
+            for move in moves:  # one lookup per run of moves of one kind, not per move
+                if (move.direction, move.urgent) != key:
+                    if move.direction not in self._handlers:
+                        raise Unavailable(f"no handler for {move.direction.name}")
+                    key = (move.direction, move.urgent)
+                    runs.append((self._lanes[_LANE_OF[move.direction]].queue_for(move), []))
+                runs[-1][1].append(move)
+            for queue, run in runs:  # all checked first: a refused submit queues nothing
+                queue.extend(run)
             self._cond.notify_all()
 
     def cancel(self, move: Move) -> bool:
@@ -154,7 +160,7 @@ class TransferScheduler:
                     return
                 if not self._closed and self._ready(lane):
                     batch = lane.take(self._batch_bytes)
-                    self._inflight += sum(m.nbytes for m in batch)
+                    self._inflight += sum(m.page_size for m in batch)
             launched = self._launch(batch) if batch else None
             if pending is not None:
                 self._finish(pending)
@@ -196,7 +202,7 @@ class TransferScheduler:
         except Exception:  # the engine's completion must never kill a lane
             log.exception("completing a %s batch failed", batch[0].direction.name)
         with self._cond:
-            self._inflight -= sum(m.nbytes for m in batch)
+            self._inflight -= sum(m.page_size for m in batch)
             self._cond.notify_all()
 
     def close(self, grace: float = 10.0) -> None:
