@@ -14,24 +14,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-SAMPLE_PERIOD = 0.5
-GIB = 1 << 30
-UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": GIB,
-    "gb": 10**9,
-    "gib": GIB,
-}
 
-
-# --- flags -------------------------------------------------------------------------------------
 def pattern(page_size: int, tag: int) -> Any:
     """Deterministic page bytes for ``tag``: a header with the tag, then a fill byte."""
     import torch

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -32,33 +31,25 @@ from kvtier.cli_status import (
     stats_dict,
     table,
 )
+from kvtier.config import parse_size as config_parse_size
 from kvtier.errors import ConfigError
 
 SAMPLE_PERIOD = 0.5
 GIB = 1 << 30
-UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": GIB,
-    "gb": 10**9,
-    "gib": GIB,
-}
 
 
 # --- flags -------------------------------------------------------------------------------------
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in UNITS or int(m.group(1)) <= 0:
+    """Sizes as the daemon reads them (``kvtier.config.parse_size``: 64KiB, 2MiB, ...)."""
+    try:
+        value = config_parse_size(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 65536, 64KiB, 1MiB)")
-    return int(m.group(1)) * UNITS[m.group(2).lower()]
+    return value
 
 
 def positive_int(text: str) -> int:
