@@ -25,39 +25,42 @@ def by_pool(moves: list[Move]) -> list[list[int]]:
     return list(groups.values())
 
 
-class HostOffload(TransferHandler):
+class _HostCopy(TransferHandler):
+    """Per pool: one index of pool rows, then one copy per contiguous run of host slots."""
+
+    def __init__(self, arena: HostArena) -> None:
+        self._arena = arena
+
+    def run(self, moves: list[Move]) -> list[bool]:
+        restore = self.direction is Direction.CPU_TO_GPU
+        for group in by_pool(moves):
+            pool = moves[group[0]].pool
+            assert pool is not None
+            size = moves[group[0]].page_size
+            rows = [moves[i].dst if restore else moves[i].src for i in group]
+            host = [moves[i].src if restore else moves[i].dst for i in group]
+            idx = torch.tensor(rows, dtype=torch.long)
+            for view, positions in self._arena.runs(size, host):
+                self._copy(pool.segments, idx[positions], view)
+        return [True] * len(moves)
+
+    def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class HostOffload(_HostCopy):
     """GPU->CPU in CPU mode: gather pool rows directly into each destination run."""
 
     direction = Direction.GPU_TO_CPU
 
-    def __init__(self, arena: HostArena) -> None:
-        self._arena = arena
-
-    def run(self, moves: list[Move]) -> list[bool]:
-        for group in by_pool(moves):
-            pool = moves[group[0]].pool
-            assert pool is not None
-            size = moves[group[0]].page_size
-            src = torch.tensor([moves[i].src for i in group], dtype=torch.long)
-            for view, positions in self._arena.runs(size, [moves[i].dst for i in group]):
-                gather(pool.segments, src[positions], view)
-        return [True] * len(moves)
+    def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:
+        gather(segments, idx, view)
 
 
-class HostRestore(TransferHandler):
+class HostRestore(_HostCopy):
     """CPU->GPU in CPU mode: scatter each source run into the pool's rows."""
 
     direction = Direction.CPU_TO_GPU
 
-    def __init__(self, arena: HostArena) -> None:
-        self._arena = arena
-
-    def run(self, moves: list[Move]) -> list[bool]:
-        for group in by_pool(moves):
-            pool = moves[group[0]].pool
-            assert pool is not None
-            size = moves[group[0]].page_size
-            dst = torch.tensor([moves[i].dst for i in group], dtype=torch.long)
-            for view, positions in self._arena.runs(size, [moves[i].src for i in group]):
-                scatter(pool.segments, dst[positions], view)
-        return [True] * len(moves)
+    def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:
+        scatter(segments, idx, view)
