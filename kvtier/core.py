@@ -26,7 +26,7 @@ from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
 from kvtier.events import Event, EventHub
-from kvtier.pagetable import Page, PageTable
+from kvtier.pagetable import Page, PageTable, advance_waits
 from kvtier.policy.admission import create_admission
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.registry import create_policy
@@ -435,21 +435,5 @@ class EngineCore:
 
     def notify_waits(self, page: Page) -> None:
         """Advance the acquires waiting on ``page`` after it settled somewhere."""
-        waits = page.waits
-        assert waits is not None
-        if page.state is PageState.GPU:
-            assert page.pool_id is not None
-            pool = self.pools[page.pool_id]
-            for wait in waits:
-                page.pins += 1
-                pool.pinned.add(page.page_id)
-                wait.pinned.append(page)
-                wait.left -= 1
-            page.waits = None
-        elif page.state is PageState.DROPPED:
-            for wait in waits:
-                wait.lost.append(page.page_id)
-            page.waits = None
-        else:
-            for wait in waits:
-                (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
+        pool = self.pools.get(page.pool_id) if page.pool_id is not None else None
+        advance_waits(page, pool.pinned if pool is not None else set())

@@ -70,6 +70,30 @@ class AcquireWait:
     lost: list[PageId] = field(default_factory=list)
 
 
+def advance_waits(page: Page, pinned: set[PageId]) -> None:
+    """Tell the acquires waiting on ``page`` where it settled.
+
+    On the GPU it is pinned once per waiting acquire (``pinned``: its pool's pinned set) before
+    anything can evict it; dropped, it is reported lost; in CPU or on disk, queued for the next leg.
+    """
+    waits = page.waits
+    assert waits is not None
+    if page.state is PageState.GPU:
+        for wait in waits:
+            page.pins += 1
+            pinned.add(page.page_id)
+            wait.pinned.append(page)
+            wait.left -= 1
+        page.waits = None
+    elif page.state is PageState.DROPPED:
+        for wait in waits:
+            wait.lost.append(page.page_id)
+        page.waits = None
+    else:
+        for wait in waits:
+            (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
+
+
 @dataclass(slots=True)
 class PageTable:
     """Pages by id, by pool and by (salted) content key."""
