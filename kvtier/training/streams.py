@@ -67,11 +67,14 @@ class StreamPair:
         return s
 
     def copy_many(self, which: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-                  after: Any = None) -> CopyDone | None:
+                  after: Any = None, *, record: bool = True) -> CopyDone | None:
         """``dst.copy_(src)`` for each pair on the ``"d2h"`` or ``"h2d"`` stream, ordered after
         the compute stream's work so far (and ``after``: a :class:`CopyDone` or a list of them,
         ``None`` entries skipped); returns one completion (``None`` when no CUDA tensor is
-        involved: the copies are then already done)."""
+        involved: the copies are then already done). ``record=False``: the caller keeps every
+        device tensor alive until the completion is seen (or orders the compute stream after
+        it) itself, so the allocator need not hold their memory until the side stream's later
+        work is done as well."""
         device = cuda_device_of(*dsts, *srcs)
         if device is None:
             for d, s in zip(dsts, srcs, strict=True):
@@ -87,7 +90,7 @@ class StreamPair:
                 d.copy_(s, non_blocking=True)
                 # the caching allocator must not give the device tensor back to the compute
                 # stream before this side-stream copy is done
-                for t in (d, s):
+                for t in (d, s) if record else ():
                     if t.device.type == "cuda":
                         t.record_stream(stream)
             return CopyDone(stream.record_event(), device)
@@ -101,6 +104,13 @@ class StreamPair:
                  ) -> CopyDone | None:
         """Start ``dst.copy_(src)`` on the H2D stream; returns its completion (or None)."""
         return self.copy_many("h2d", [dst], [src], after)
+
+    @staticmethod
+    def mark(device: torch.device) -> CopyDone | None:
+        """An event on ``device``'s current stream (None for the CPU: nothing to wait for)."""
+        if device.type != "cuda":
+            return None
+        return CopyDone(torch.cuda.current_stream(device).record_event(), device)
 
     @staticmethod
     def wait_on_compute(done: CopyDone | None) -> None:

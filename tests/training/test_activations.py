@@ -159,7 +159,8 @@ def test_cuda_tensors_identical_gradients(tiny: SimpleNamespace, arena: Any) -> 
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                    for a, b in zip(ref, got, strict=True))
     assert ctx.stats.offloaded_tensors > 0
-    assert ctx.stats.reloaded_bytes == ctx.stats.offloaded_bytes
+    assert ctx.stats.reloaded_bytes <= ctx.stats.offloaded_bytes
+    ctx.flush()  # host buffers go back once their copies are seen done
     assert arena.used_bytes == 0
 
 
