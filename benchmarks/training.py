@@ -163,7 +163,7 @@ def sweep_points(layers: int) -> list[int]:
                                                     0.8, 1.0)})
 
 
-def _runner(variant: str, layers: int, arena: Any, min_numel: int
+def _runner(variant: str, layers: int, arena: Any, a: argparse.Namespace
             ) -> tuple[Runner | None, Any, Any]:
     """(runner, context around the forward, offload context or None)."""
     if variant == "save_on_cpu":
@@ -171,7 +171,8 @@ def _runner(variant: str, layers: int, arena: Any, min_numel: int
     n = offload_groups(variant, layers)
     if not n:
         return None, nullcontext(), None
-    ctx, sync = get_cpu_offload_context(True, n, 2 * layers, arena=arena, min_numel=min_numel)
+    ctx, sync = get_cpu_offload_context(True, n, 2 * layers, arena=arena, min_numel=a.min_numel,
+                                        pace_lag=a.pace_lag)
 
     def run(i: int, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
         assert isinstance(blk, Block)
@@ -264,7 +265,7 @@ class Trainer:
 def measure(tr: Trainer, variant: str, a: argparse.Namespace, arena: Any, steps: int,
             max_s: float = float("inf")) -> Result:
     """``a.warmup`` then up to ``steps`` measured steps (at least one; stops after ``max_s``)."""
-    run, ctx, off = _runner(variant, tr.layers, arena, a.min_numel)
+    run, ctx, off = _runner(variant, tr.layers, arena, a)
     rows: list[tuple[float, float, float, int, int]] = []
     moved = kept = 0
     start = time.perf_counter()
@@ -515,6 +516,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a variant stops measuring steps after this many seconds")
     p.add_argument("--min-numel", type=int, default=256 * 1024,
                    help="smallest saved tensor (elements) the activation offload moves")
+    p.add_argument("--pace-lag", type=int, default=3,
+                   help="saves/boundaries the host may run ahead while offload copies run")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)

@@ -36,7 +36,12 @@ import torch
 from kvtier.errors import InvalidArgument
 from kvtier.training.base import BufferArena
 from kvtier.training.records import NO_OFFLOAD_ATTR, OffloadStats
-from kvtier.training.saved import DEFAULT_MIN_NUMEL, ActivationOffloader, Groups
+from kvtier.training.saved import (
+    DEFAULT_MIN_NUMEL,
+    DEFAULT_PACE_LAG,
+    ActivationOffloader,
+    Groups,
+)
 
 __all__ = ["DEFAULT_MIN_NUMEL", "ActivationOffloader", "ManualOffloadSynchronizer",
            "ModuleOffload", "OffloadContext", "OffloadStats", "get_cpu_offload_context",
@@ -123,11 +128,13 @@ def get_cpu_offload_context(
     enabled: bool = True, num_layers: int = 1, model_layers: int = 1,
     manual_synchronization: bool = False, offload_stream: Any = None, *,
     arena: BufferArena | None = None, min_numel: int = DEFAULT_MIN_NUMEL,
+    pace_lag: int = DEFAULT_PACE_LAG,
 ) -> tuple[Any, ...]:
     """``(ctx, sync_fn)``, plus a :class:`ManualOffloadSynchronizer` in manual mode.
 
     Offloads the first ``num_layers`` of ``model_layers`` layers (each ``with ctx`` block followed
-    by one ``sync_fn`` call is one layer; the count wraps at ``model_layers``).
+    by one ``sync_fn`` call is one layer; the count wraps at ``model_layers``). ``pace_lag``: how
+    many saves or boundaries the host may run ahead of the device while copies are in flight.
     """
     if not 0 <= num_layers <= model_layers:
         raise InvalidArgument("num_layers", f"must be in [0, model_layers={model_layers}]")
@@ -136,7 +143,8 @@ def get_cpu_offload_context(
         return (nullcontext(), ident, None) if manual_synchronization else (nullcontext(), ident)
     off = ActivationOffloader(arena=arena, should_offload=lambda g: g < num_layers,
                               group_count=model_layers, min_numel=min_numel,
-                              manual=manual_synchronization, offload_stream=offload_stream)
+                              manual=manual_synchronization, offload_stream=offload_stream,
+                              pace_lag=pace_lag)
     ctx = OffloadContext(off)
     if manual_synchronization:
         return ctx, ctx.sync, ManualOffloadSynchronizer(off)

@@ -120,7 +120,8 @@ class Ref:
         self.index = -1
         if rec.views is not None:
             self.index = len(rec.views)
-            rec.views.append(t)
+            # detached (same storage and version counter): no cycle through its grad_fn
+            rec.views.append(t.detach())
             rec.versions.append(t._version)
         rec.refs += 1
 

@@ -9,9 +9,10 @@ Contract of :class:`ActivationOffloader`:
       output, or an attention output and its transposed view, share one copy in one layer).
     * The device copy is dropped as soon as the host sees the copy done (an event query: the
       compute stream never waits for an offload copy, the host never blocks on one). It is checked
-      at every save and layer boundary; while copies are in flight the host is held at most one
-      layer boundary ahead of the compute stream, so that "seen done" follows "done" and the
-      allocator reuses the memory for the next layer instead of growing the peak.
+      at every save and layer boundary. While copies are in flight the host is held at most
+      ``pace_lag`` saves or boundaries ahead of the compute stream (it waits on an event recorded
+      there): the caching allocator hands memory out in host order, so a host running a layer
+      ahead would allocate that layer before the copies that free memory for it are seen done.
     * Host buffers go back to the arena once their copies are seen done; until then the offloader
       keeps them and reuses one for a copy of the same size, ordered after them on the device.
     * A reload allocates on the compute stream, fills on the reload stream, and the compute stream
@@ -44,6 +45,7 @@ from kvtier.training.records import (
 from kvtier.training.streams import CopyDone, StreamPair
 
 DEFAULT_MIN_NUMEL = 256 * 1024
+DEFAULT_PACE_LAG = 3  # saves or boundaries: enough queued work to keep the device busy
 
 Groups = dict[int, list[Saved]]
 
@@ -53,9 +55,13 @@ class ActivationOffloader:
 
     def __init__(self, *, arena: BufferArena | None, should_offload: Callable[[int], bool],
                  group_count: int, min_numel: int = DEFAULT_MIN_NUMEL, manual: bool = False,
-                 offload_stream: Any = None, streams: Any = None) -> None:
+                 offload_stream: Any = None, streams: Any = None,
+                 pace_lag: int = DEFAULT_PACE_LAG) -> None:
         if min_numel < 0:
             raise InvalidArgument("min_numel", f"must be >= 0, got {min_numel}")
+        if pace_lag < 1:
+            raise InvalidArgument("pace_lag", f"must be >= 1, got {pace_lag}")
+        self.pace_lag = pace_lag
         self.arena = arena if arena is not None else default_arena()
         self.should_offload = should_offload
         self.group_count = group_count
@@ -104,6 +110,7 @@ class ActivationOffloader:
             rec.releasable = True
             self._copy_out(rec)
         self._reap()
+        self._pace()
         return ref
 
     def unpack(self, ref: Any) -> torch.Tensor:
@@ -163,7 +170,7 @@ class ActivationOffloader:
                 self.stats.released_bytes += rec.nbytes
 
     def _pace(self) -> None:
-        """While copies are in flight, keep the host within one boundary of the device."""
+        """While copies are in flight, keep the host within ``pace_lag`` marks of the device."""
         if not self._inflight:
             self._marks.clear()
             return
@@ -171,7 +178,7 @@ class ActivationOffloader:
         if mark is None:
             return
         self._marks.append(mark)
-        while len(self._marks) > 1:
+        while len(self._marks) > self.pace_lag:
             done = self._marks.popleft()
             if not done.query():
                 self.stats.host_waits += 1

@@ -134,17 +134,19 @@ def test_host_buffers_recycled_after_their_copies(arena: Any) -> None:
     assert arena.used_bytes == 0
 
 
-def test_host_paced_one_boundary_behind_the_device(arena: Any) -> None:
+@pytest.mark.parametrize("lag", [1, 3])
+def test_host_paced_a_few_marks_behind_the_device(arena: Any, lag: int) -> None:
     fake = FakeStreams(marks_done=False)
     off = ActivationOffloader(arena=arena, should_offload=lambda g: True, group_count=4,
-                              min_numel=1, streams=fake)
+                              min_numel=1, streams=fake, pace_lag=lag)
     ctx = OffloadContext(off)
     x = torch.randn(128, 128, requires_grad=True)
     for _ in range(4):
         with ctx:
             x = ctx.sync(x * x)
-    # boundary k waits for the device to pass boundary k - 1, never for a copy
-    assert ctx.stats.host_waits == 3
+    # a mark at each new saved tensor and each boundary (8); the host waits for the device to
+    # pass the mark ``lag`` back, never for a copy
+    assert ctx.stats.host_waits == 8 - lag
     assert all(d.done is False for d in fake.copies)
     x.sum().backward()
 
