@@ -47,6 +47,15 @@ def read_rows(pool: Staging, slots: Sequence[int], nbytes: int) -> torch.Tensor:
     return pool.rows.index_select(0, idx)[:, :nbytes]
 
 
+def staged_rows(pool: Staging, slots: Sequence[int], nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of each of ``slots``: a view when the slots are consecutive,
+    else a copy (``[n, nbytes]`` uint8). A view is only valid while the slots are held."""
+    first = slots[0]
+    if list(slots) == list(range(first, first + len(slots))):
+        return pool.rows[first : first + len(slots), :nbytes]
+    return read_rows(pool, slots, nbytes)
+
+
 class PoolPages:
     """A store's blocks as pages of one attached pool, found by chained block key."""
 

@@ -7,8 +7,12 @@
   stored prefix of ``token_ids`` (whole blocks, always leaving at least one token to compute, so
   ``generate`` only prefills the rest). ``cache.restored_tokens`` says how many; a load that ends
   early (dropped or corrupt block) just restores fewer tokens: never wrong KV.
+- ``restore_into(kv, token_ids) -> int``: the same prefix copied into a preallocated
+  ``[layers, 2, kv_heads, capacity, head_dim]`` buffer (a static cache, e.g. ``hf_static``'s)
+  in one copy; returns how many tokens.
 - ``save(cache, token_ids) -> int``: after a turn, store the full blocks of ``token_ids`` whose KV
-  the cache holds and kvtier lacks; returns how many blocks it stored.
+  the cache (a ``DynamicCache`` or such a buffer) holds and kvtier lacks; returns how many blocks
+  it stored.
 
 By default blocks are stored as keyed pages (CPU and disk tiers; they outlive the store and are
 shared by every store of the tenant). ``keep_on_gpu=True`` keeps this store's blocks as ordinary
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +43,9 @@ from kvtier.types import Tier
 
 from ._backend import Backend, Staging, as_backend, round_page
 from ._blocks import chain_keys, namespace
-from ._hf_pool import PoolPages, read_rows, write_rows
+from ._hf_pool import PoolPages, staged_rows, write_rows
+
+_Take = Callable[[torch.Tensor, int], object]  # (rows [n, raw] uint8, index of the first block)
 
 
 class KVTierCache(DynamicCache):
@@ -89,6 +95,17 @@ class KVLayout:
         blocks = rows.contiguous().view(self.dtype).reshape(shape)
         return blocks.permute(1, 2, 3, 0, 4, 5).reshape(
             self.layers, 2, self.kv_heads, n * self.block_size, self.head_dim)
+
+    def unpack_into(self, kv: torch.Tensor, rows: torch.Tensor, at: int = 0) -> int:
+        """Write :meth:`unpack` of ``rows`` into ``kv[:, :, :, at:at + T]`` in one copy (``rows``
+        may be a strided view of wider slots); returns T."""
+        n = rows.shape[0]
+        T = n * self.block_size
+        src = rows.view(self.dtype).reshape(
+            n, self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+        dst = kv[:, :, :, at : at + T].unflatten(3, (n, self.block_size))
+        dst.copy_(src.permute(1, 2, 3, 0, 4, 5), non_blocking=True)
+        return T
 
 
 @dataclass(slots=True)
@@ -161,17 +178,9 @@ class ConversationStore:
     def restore(self, token_ids: Sequence[int]) -> KVTierCache:
         """A cache holding the KV of the longest stored prefix (possibly empty)."""
         cache = KVTierCache(config=self.model_config)
-        keys = self._restorable_keys(token_ids)
         parts: list[torch.Tensor] = []
-        tiers: list[Tier | None] = []
-        if self._pool is not None:
-            rows, got = self._pool.load(keys, self.layout.raw_bytes)
-            if rows is not None:
-                parts.append(rows)
-                tiers += got
-        keyed, keyed_tiers = self._load_keyed(keys[len(tiers) :])
-        parts += keyed
-        tiers += keyed_tiers
+        tiers = self._restore_rows(self._restorable_keys(token_ids),
+                                   lambda rows, first: parts.append(rows.clone()))
         cache.restored_tiers.update(t for t in tiers if t is not None)
         if parts:
             rows = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -179,9 +188,53 @@ class ConversationStore:
             for layer in range(self.layout.layers):
                 cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
             cache.restored_tokens = kv.shape[3]
-        self.counters.restored_tokens += cache.restored_tokens
-        self.counters.restored_from.update(cache.restored_tiers)
+        self._count(cache.restored_tokens, cache.restored_tiers)
         return cache
+
+    def restore_into(self, kv: torch.Tensor, token_ids: Sequence[int]) -> int:
+        """Copy the KV of the longest stored prefix of ``token_ids`` into ``kv`` and return how
+        many tokens that is (whole blocks, at least one token left to compute).
+
+        ``kv`` is a preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` tensor of the
+        model's dtype on the store's device, e.g. the buffers behind a static cache that a
+        captured CUDA graph reads: the prefix lands at positions ``[0, n)`` straight from the
+        staging slots (one copy per load), and positions from ``n`` on are left as they were.
+        At most ``capacity`` tokens are restored.
+        """
+        self._check_kv(kv)
+        bs = self.layout.block_size
+        keys = self._restorable_keys(token_ids)[: kv.shape[3] // bs]
+        tiers = self._restore_rows(
+            keys, lambda rows, first: self.layout.unpack_into(kv, rows, first * bs))
+        self._count(len(tiers) * bs, Counter(t for t in tiers if t is not None))
+        return len(tiers) * bs
+
+    def _check_kv(self, kv: torch.Tensor) -> None:
+        lay = self.layout
+        want = (lay.layers, 2, lay.kv_heads, lay.head_dim)
+        got = (*kv.shape[:3], kv.shape[-1]) if kv.dim() == 5 else tuple(kv.shape)
+        dev = self.device
+        same_device = kv.device.type == dev.type and dev.index in (None, kv.device.index)
+        if got != want or kv.dtype != lay.dtype or not same_device:
+            raise ValueError(
+                f"kv: need [layers={lay.layers}, 2, kv_heads={lay.kv_heads}, capacity, "
+                f"head_dim={lay.head_dim}] of {lay.dtype} on {self.device}, got "
+                f"{list(kv.shape)} of {kv.dtype} on {kv.device}")
+
+    def _restore_rows(self, keys: list[bytes], take: _Take) -> list[Tier | None]:
+        """Hand ``take`` the bytes of the longest loadable prefix of ``keys`` (pool pages first,
+        then keyed pages), a chunk at a time; returns the tier each block came from."""
+        tiers: list[Tier | None] = []
+        if self._pool is not None:
+            rows, got = self._pool.load(keys, self.layout.raw_bytes)
+            if rows is not None:
+                take(rows, 0)
+                tiers += got
+        return tiers + self._load_keyed(keys[len(tiers) :], take, len(tiers))
+
+    def _count(self, tokens: int, tiers: Counter[Tier]) -> None:
+        self.counters.restored_tokens += tokens
+        self.counters.restored_from.update(tiers)
 
     def _restorable_keys(self, token_ids: Sequence[int]) -> list[bytes]:
         n = max(0, (len(token_ids) - 1) // self.layout.block_size) * self.layout.block_size
@@ -190,44 +243,46 @@ class ConversationStore:
     def _lookup(self, keys: list[bytes]) -> list[Tier]:
         return self.backend.lookup(keys) if keys else []
 
-    def _load_keyed(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[Tier | None]]:
-        """Rows (``[n, raw]`` parts) of the longest loadable keyed prefix of ``keys``, and tiers."""
+    def _load_keyed(self, keys: list[bytes], take: _Take, first: int) -> list[Tier | None]:
+        """Load the longest loadable keyed prefix of ``keys`` into ``take``; the tiers."""
         tiers = self._lookup(keys)
-        parts: list[torch.Tensor] = []
         got: list[Tier | None] = []
         step = self._staging.num_slots
         for i in range(0, len(tiers), step):
-            rows = self._load(keys[i : i + step])
-            if rows is None:
+            n = self._load(keys[i : i + step], take, first + i)
+            got += tiers[i : i + n]
+            if n < len(keys[i : i + step]):
                 break
-            parts.append(rows)
-            got += tiers[i : i + rows.shape[0]]
-            if rows.shape[0] < len(keys[i : i + step]):
-                break
-        return parts, got
+        return got
 
-    def _load(self, keys: list[bytes]) -> torch.Tensor | None:
-        """Bytes of the leading loadable blocks of ``keys`` (``[n, raw]``), or None if none."""
+    def _load(self, keys: list[bytes], take: _Take, first: int) -> int:
+        """Load the leading loadable blocks of ``keys``, hand their bytes to ``take``; how many.
+
+        ``take`` gets a view of the staging slots when they are consecutive (no extra copy); it
+        must copy what it keeps before returning: the slots are freed right after."""
         st, b = self._staging, self.backend
         pages = b.allocate(st.handle, len(keys))
         if pages is None:
-            return None
+            return 0
         ids, slots = [p for p, _ in pages], [s for _, s in pages]
         try:
             got = b.load(st.handle, keys, slots)
-            if got == 0:
-                return None
-            return read_rows(st, slots[:got], self.layout.raw_bytes)
+            if got:
+                take(staged_rows(st, slots[:got], self.layout.raw_bytes), first)
+            return got
         finally:
             b.release(st.handle, ids)
             b.free(st.handle, ids)
 
     # --- save -----------------------------------------------------------------------------------
-    def save(self, cache: DynamicCache, token_ids: Sequence[int], *, wait_s: float = 0.0) -> int:
+    def save(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int], *,
+             wait_s: float = 0.0) -> int:
         """Store the full blocks of ``token_ids`` that ``cache`` holds and kvtier lacks.
 
-        A full CPU tier stores what fits while it demotes older pages in the background;
-        ``wait_s > 0`` keeps retrying the rest until that long has passed.
+        ``cache`` is a ``DynamicCache`` or a ``[layers, 2, kv_heads, capacity, head_dim]`` tensor
+        (as :meth:`restore_into` fills) holding the KV of ``token_ids`` at positions
+        ``[0, len(token_ids))``. A full CPU tier stores what fits while it demotes older pages in
+        the background; ``wait_s > 0`` keeps retrying the rest until that long has passed.
         """
         deadline = time.monotonic() + wait_s
         total = self._save_once(cache, token_ids)
@@ -236,13 +291,20 @@ class ConversationStore:
             total += self._save_once(cache, token_ids)
         return total
 
-    def _missing(self, cache: DynamicCache, token_ids: Sequence[int]) -> bool:
-        n = min(len(token_ids), cache.get_seq_length()) // self.layout.block_size
+    def _held_tokens(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` have their KV in ``cache``."""
+        if isinstance(cache, torch.Tensor):
+            self._check_kv(cache)
+            return min(len(token_ids), cache.shape[3])
+        return min(len(token_ids), cache.get_seq_length())
+
+    def _missing(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int]) -> bool:
+        n = self._held_tokens(cache, token_ids) // self.layout.block_size
         n *= self.layout.block_size
         return self.lookup([*token_ids[:n], 0]) < n
 
-    def _save_once(self, cache: DynamicCache, token_ids: Sequence[int]) -> int:
-        held = min(len(token_ids), cache.get_seq_length())
+    def _save_once(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int]) -> int:
+        held = self._held_tokens(cache, token_ids)
         bs = self.layout.block_size
         keys = chain_keys(list(token_ids[: held // bs * bs]), bs, ns=self.ns)
         pool = self._pool
@@ -264,7 +326,9 @@ class ConversationStore:
         self.counters.stored_blocks += stored
         return stored
 
-    def _gather(self, cache: DynamicCache, begin: int, end: int) -> torch.Tensor:
+    def _gather(self, cache: DynamicCache | torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        if isinstance(cache, torch.Tensor):
+            return cache[:, :, :, begin:end]
         layers: list[Any] = list(cache.layers)
         if len(layers) != self.layout.layers:
             raise ValueError(f"cache has {len(layers)} layers, the model {self.layout.layers}")
