@@ -6,15 +6,22 @@ GPU; every other conversation's KV must come back from somewhere (the working se
 the GPU KV budget). Modes, all in one run on one model (a ~1B-param Llama with random bf16
 weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
 
-- ``recompute``: prefill the whole context every turn.
-- ``kvtier-cpu``: restore the stored prefix from kvtier's pinned CPU tier, prefill the rest.
+- ``recompute``: prefill the whole context every turn (eager, SDPA flash causal attention: at 8K
+  the GPU is the bottleneck, the Python launch overhead is hidden).
+- ``kvtier-cpu``: restore the stored prefix from kvtier's pinned CPU tier straight into a static
+  KV buffer (``ConversationStore.restore_into``), then prefill the new tokens with a captured
+  CUDA graph (``kvtier.client.hf_static.StaticPrefill``).
 - ``kvtier-disk``: the same with a CPU budget too small for the trace, so prefixes come from disk.
+- ``kvtier-cpu-eager``: restore into a ``DynamicCache`` and prefill with transformers' eager
+  forward (what the graph saves).
 - ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)`` kept per conversation (its
   layers wait in CPU memory between turns and are prefetched layer by layer).
 
-TTFT = restore + prefill of the uncached suffix + first token on the host. Replies are synthetic
-tokens (their KV is computed as part of the next turn's suffix). Writes ``results.json``,
-``results.md`` and, if matplotlib is installed, ``ttft.png`` under ``--out``.
+TTFT = restore + prefill of the uncached suffix + first token on the host. A reply's KV is what
+decoding produces: after each (untimed) turn, every mode that keeps KV computes the synthetic
+reply's KV and keeps or stores it, so the next turn's suffix is the new user message plus the
+tail of the last partial block. Writes ``results.json``, ``results.md`` and, if matplotlib is
+installed, ``ttft.png`` under ``--out``.
 
     python benchmarks/multiturn.py --out results/multiturn            # GPU (H100), defaults
     python benchmarks/multiturn.py --tiny --out /tmp/multiturn        # CPU smoke test
@@ -35,6 +42,7 @@ from typing import Any
 
 import torch
 from kvtier.client.hf_cache import ConversationStore, KVLayout
+from kvtier.client.hf_static import StaticPrefill
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import OffloadConfig, TierEngine
@@ -66,11 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--reply-tokens", type=int, default=None, help="synthetic reply per turn")
     p.add_argument("--disk-path", default="", help="disk tier folder (default: a temp dir)")
-    p.add_argument("--modes", default="recompute,kvtier-cpu,kvtier-disk,hf-offloaded")
+    p.add_argument("--modes",
+                   default="recompute,kvtier-cpu,kvtier-disk,kvtier-cpu-eager,hf-offloaded")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=128, help="graph bucket: suffix tokens")
+    p.add_argument("--kv-step", type=int, default=None,
+                   help="masked attention over multiples of this many positions (default: "
+                        "exact lengths, flash attention, one graph per prefix length)")
     args = p.parse_args(argv)
-    tiny = dict(conversations=3, turns=4, max_context=512, block_size=32, reply_tokens=32)
-    full = dict(conversations=8, turns=8, max_context=8192, block_size=256, reply_tokens=256)
+    tiny = dict(conversations=3, turns=4, max_context=512, block_size=32, reply_tokens=96)
+    full = dict(conversations=8, turns=16, max_context=8192, block_size=256, reply_tokens=384)
     for k, v in (tiny if args.tiny else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -98,10 +111,14 @@ def build_model(tiny: bool) -> tuple[LlamaForCausalLM, torch.device, torch.dtype
     return model.to(dtype).eval(), device, dtype
 
 
+def user_tokens(args: argparse.Namespace) -> int:
+    return max(1, args.max_context // args.turns - args.reply_tokens)
+
+
 def make_trace(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], list[int]]]]:
     """Per conversation, per turn: (user tokens, reply tokens); contexts end at max_context."""
     g = torch.Generator().manual_seed(args.seed)
-    user = max(1, args.max_context // args.turns - args.reply_tokens)
+    user = user_tokens(args)
     rand = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
     return [[(rand(user), rand(args.reply_tokens)) for _ in range(args.turns)]
             for _ in range(args.conversations)]
@@ -120,7 +137,7 @@ def first_token(model: LlamaForCausalLM, ids: list[int], cache: DynamicCache) ->
 
 
 class Mode:
-    """One way to serve a turn: ``ttft`` is timed; ``after`` (saving for the next turn) is not."""
+    """One way to serve a turn: ``ttft`` is timed; ``after`` (the reply's KV, saving) is not."""
 
     name = ""
     restore_s = 0.0  # set by ttft() when it restores a prefix
@@ -129,7 +146,7 @@ class Mode:
         """Return (tokens reused, first token)."""
         raise NotImplementedError
 
-    def after(self, conv: int, prompt: list[int]) -> None:
+    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
         return
 
     def close(self) -> None:
@@ -149,7 +166,7 @@ def run_mode(mode: Mode, trace: list, device: torch.device) -> list[Turn]:
             sync(device)
             rows.append(Turn(mode.name, c, t, len(prompt), reused,
                              time.perf_counter() - start, tok, mode.restore_s))
-            mode.after(c, prompt)
+            mode.after(c, prompt, reply)
             history[c] = prompt + reply
     return rows
 
@@ -164,8 +181,8 @@ class Recompute(Mode):
         return 0, first_token(self.model, prompt, DynamicCache(config=self.model.config))
 
 
-class KVTier(Mode):
-    """Restore the prefix through an in-process engine; store the prompt's blocks afterwards."""
+class KVTierEager(Mode):
+    """Restore the prefix into a ``DynamicCache``, prefill eagerly, store prompt + reply."""
 
     def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
                  args: argparse.Namespace, dtype: torch.dtype) -> None:
@@ -187,9 +204,10 @@ class KVTier(Mode):
         self._cache = cache
         return n, tok
 
-    def after(self, conv: int, prompt: list[int]) -> None:
+    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
         assert self._cache is not None
-        self.store.save(self._cache, prompt, wait_s=5.0)
+        first_token(self.model, reply, self._cache)  # the reply's KV, as decoding leaves it
+        self.store.save(self._cache, prompt + reply, wait_s=5.0)
         self._cache = None
 
     def close(self) -> None:
@@ -197,6 +215,33 @@ class KVTier(Mode):
         self.restored_from = {t.name.lower(): n for t, n in counters.restored_from.items()}
         self.store.close()
         self.engine.close()
+
+
+class KVTier(KVTierEager):
+    """Restore the prefix into a static KV buffer; prefill the rest from a captured CUDA graph."""
+
+    def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
+                 args: argparse.Namespace, dtype: torch.dtype) -> None:
+        super().__init__(name, model, config, args, dtype)
+        self.prefill = StaticPrefill(model, args.max_context + 4 * args.block_size,
+                                     step=args.step, kv_step=args.kv_step)
+        # Capture the graphs of every (block-aligned prefix, suffix bucket) the trace can hit
+        # before timing: capturing is a start-up cost, not a per-turn one.
+        user = user_tokens(args)
+        suffixes = range(args.step, user + args.block_size + args.step, args.step)
+        self.graphs = self.prefill.prepare(list(range(0, args.max_context, args.block_size)),
+                                           list(suffixes))
+
+    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
+        start = time.perf_counter()
+        n = self.store.restore_into(self.prefill.kv, prompt)
+        sync(self.model.device)
+        self.restore_s = time.perf_counter() - start
+        return n, self.prefill.first_token(prompt, n)
+
+    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
+        self.prefill.extend(prompt + reply, len(prompt))  # the reply's KV, as decoding leaves it
+        self.store.save(self.prefill.kv, prompt + reply, wait_s=5.0)
 
 
 class HFOffloaded(Mode):
@@ -215,20 +260,23 @@ class HFOffloaded(Mode):
         n = cache.get_seq_length()
         return n, first_token(self.model, prompt[n:], cache)
 
+    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
+        first_token(self.model, reply, self.caches[conv])  # the reply's KV, as decoding leaves it
+
 
 def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
     return KVLayout.of(model.config, 1, dtype).raw_bytes
 
 
 def engine_config(args: argparse.Namespace, device: torch.device, page: int, *,
-                  cpu_bytes: int, disk_path: str = "") -> OffloadConfig:
+                  cpu_bytes: int, disk_path: str = "", disk_bytes: int = 0) -> OffloadConfig:
     slots = args.max_context // args.block_size + 1
     kw: dict[str, Any] = dict(
         device="cpu" if device.type == "cpu" else "cuda",
         gpu_memory_gb=page * (slots + 2) / GIB, cpu_memory_gb=cpu_bytes / GIB,
         pinned_chunk_mb=1 if args.tiny else 64, page_size=page)
     if disk_path:
-        kw.update(disk_path=disk_path, disk_gb=max(1.0, 4 * cpu_bytes / GIB),
+        kw.update(disk_path=disk_path, disk_gb=max(1.0, disk_bytes / GIB),
                   disk_admission="always")
     return OffloadConfig(**kw)
 
@@ -247,7 +295,10 @@ def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.
         "kvtier-cpu": lambda: KVTier("kvtier-cpu", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "kvtier-disk": lambda: KVTier("kvtier-disk", model, engine_config(
-            args, device, page, cpu_bytes=tight, disk_path=disk_dir), args, dtype),
+            args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
+            args, dtype),
+        "kvtier-cpu-eager": lambda: KVTierEager("kvtier-cpu-eager", model, engine_config(
+            args, device, page, cpu_bytes=roomy), args, dtype),
         "hf-offloaded": lambda: HFOffloaded(model),
     }
     return [table[m] for m in args.modes.split(",") if m]
@@ -274,6 +325,17 @@ def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def same_tokens(rows: list[Turn]) -> dict[str, str]:
+    """Per mode: how many first tokens equal recompute's for the same conversation and turn."""
+    ref = {(r.conv, r.turn): r.first_token for r in rows if r.mode == "recompute"}
+    out: dict[str, str] = {}
+    for m in dict.fromkeys(r.mode for r in rows if r.mode != "recompute"):
+        sel = [r for r in rows if r.mode == m and (r.conv, r.turn) in ref]
+        same = sum(r.first_token == ref[(r.conv, r.turn)] for r in sel)
+        out[m] = f"{same}/{len(sel)}"
+    return out
+
+
 def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, Any]) -> str:
     restoring = [m for m in modes if m.startswith("kvtier")]
     cols = ["turn", "context", *[f"{m} TTFT ms" for m in modes],
@@ -295,6 +357,7 @@ def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, An
     lines += ["", "`x` = recompute TTFT / mode TTFT. `prefix x` = recompute TTFT / time to restore "
               "the prefix (the part kvtier owns; the rest of TTFT is the suffix prefill).",
               "", f"Restored blocks by tier: {meta.get('restored_from', {})}",
+              f"First token equal to recompute's: {meta.get('same_tokens', {})}",
               f"Skipped modes: {meta.get('skipped', {}) or 'none'}", ""]
     return "\n".join(lines)
 
@@ -343,12 +406,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 mode.close()
                 meta["restored_from"][mode.name] = getattr(mode, "restored_from", None)
+                if getattr(mode, "graphs", None):
+                    meta.setdefault("graphs_captured", {})[mode.name] = mode.graphs
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     modes = list(dict.fromkeys(r.mode for r in rows))
     summary = summarize(rows, modes)
     meta["restored_from"] = {k: v for k, v in meta["restored_from"].items() if v}
+    meta["same_tokens"] = same_tokens(rows)
     (args.out / "results.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "turns": [asdict(r) for r in rows]}, indent=1))
     (args.out / "results.md").write_text(markdown(summary, modes, meta))
