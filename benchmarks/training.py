@@ -3,10 +3,13 @@
 Variants (``--variants``, comma separated; default: the preset's list):
     no_offload            the reference (``--optimizer`` below, no activation offload)
     save_on_cpu           ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-    kvtier_act            kvtier activation offload of every layer but the last
-    kvtier_act_third      of the first third of the layers
-    sweep                 of the first n layer halves for several n: the best peak reduction within
-                          +10% step time is reported in the checks
+    kvtier_act            kvtier activation offload of every layer but the last, memory first: at
+                          each boundary the host waits for the copies of all but the latest layer
+                          half (``max_inflight_groups=1``, as TransformerEngine's compute waits)
+    kvtier_act_third      of the first third of the layers, copies never waited for
+    sweep                 ``kvtier_act@n``: the first n layer halves for several n, copies never
+                          waited for, and ``kvtier_act@n~1`` for the top three n, memory first;
+                          the best peak reduction within +10% step time is in the checks
     kvtier_opt_cpu, kvtier_opt_gpu_stream
                           kvtier optimizer offload (against plain GPU AdamW, fp32 master weights)
     search                the most layers that train with and without kvtier (on a GPU capped at
@@ -139,6 +142,7 @@ class Result:
     layers: int
     ok: bool
     groups: int | None = None  # offloaded layer halves (attention, MLP) of 2 x layers
+    inflight: int | None = None  # max_inflight_groups (None: copies never waited for)
     step_s: float | None = None
     fwd_s: float | None = None  # device time of the forward (loss included)
     fwdbwd_s: float | None = None
@@ -152,16 +156,30 @@ class Result:
 def offload_groups(variant: str, layers: int) -> int:
     """Layer halves offloaded by an activation variant (``kvtier_act@n``: the first ``n``)."""
     if variant.startswith("kvtier_act@"):
-        return int(variant.split("@")[1])
+        return int(variant.split("@")[1].split("~")[0])
     if variant.startswith("kvtier_act_third"):
         return 2 * max(1, layers // 3)
     return 2 * layers - 2 if variant.startswith("kvtier_act") else 0
 
 
-def sweep_points(layers: int) -> list[int]:
+def inflight_bound(variant: str) -> int | None:
+    """``max_inflight_groups`` of a variant: 1 for ``kvtier_act`` (memory first, as
+    TransformerEngine), ``k`` for ``kvtier_act@n~k``, else None (never wait for copies)."""
+    if variant == "kvtier_act" or variant.startswith("kvtier_act_opt"):
+        return 1
+    if variant.startswith("kvtier_act@") and "~" in variant:
+        return int(variant.split("~")[1])
+    return None
+
+
+def sweep_points(layers: int) -> list[str]:
+    """Activation variants of the sweep: the first n layer halves for n from a few to all but
+    the last layer, copies never waited for; and the top three n with the host waiting for
+    all but the latest layer half's copies (less memory for some forward time)."""
     top = 2 * layers - 2
-    return sorted({max(1, round(top * f)) for f in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65,
-                                                    0.8, 1.0)})
+    ns = sorted({max(1, round(top * f)) for f in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65,
+                                                  0.8, 1.0)})
+    return [f"kvtier_act@{n}" for n in ns] + [f"kvtier_act@{n}~1" for n in ns[-3:]]
 
 
 def _runner(variant: str, layers: int, arena: Any, a: argparse.Namespace
@@ -173,7 +191,8 @@ def _runner(variant: str, layers: int, arena: Any, a: argparse.Namespace
     if not n:
         return None, nullcontext(), None
     ctx, sync = get_cpu_offload_context(True, n, 2 * layers, arena=arena, min_numel=a.min_numel,
-                                        pace_lag=a.pace_lag)
+                                        pace_lag=a.pace_lag,
+                                        max_inflight_groups=inflight_bound(variant))
 
     def run(i: int, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
         assert isinstance(blk, Block)
@@ -268,16 +287,15 @@ def measure(tr: Trainer, variant: str, a: argparse.Namespace, arena: Any, steps:
     """``a.warmup`` then up to ``steps`` measured steps (at least one; stops after ``max_s``)."""
     run, ctx, off = _runner(variant, tr.layers, arena, a)
     rows: list[tuple[float, float, float, int, int]] = []
-    moved = kept = 0
+    stats: list[dict[str, int]] = []  # offloader counters before the last measured step, after
     start = time.perf_counter()
     try:
         for s in range(a.warmup + steps):
-            b0 = (off.stats.offloaded_bytes, off.stats.kept_bytes) if off is not None else (0, 0)
+            before = asdict(off.stats) if off is not None else {}
             r = tr.step(run, ctx)
-            if s >= a.warmup and off is not None:
-                moved, kept = off.stats.offloaded_bytes - b0[0], off.stats.kept_bytes - b0[1]
             if s >= a.warmup:
                 rows.append(r)
+                stats = [before, asdict(off.stats) if off is not None else {}]
             if rows and time.perf_counter() - start > max_s:
                 break
     except torch.cuda.OutOfMemoryError:
@@ -291,9 +309,15 @@ def measure(tr: Trainer, variant: str, a: argparse.Namespace, arena: Any, steps:
             torch._C._host_emptyCache()  # its pinned blocks would crowd the arena out
     k = len(rows)
     note = f"{k} step(s)" + (" (time cap)" if k < steps else "")
+    step_stats = {key: v - stats[0][key] for key, v in stats[1].items()} if stats else {}
+    moved = step_stats.get("offloaded_bytes", 0)
     if off is not None:
-        note += f"; host waits {off.stats.host_waits}; saved but kept {kept / GIB:.2f} GiB"
+        note += (f"; last step: host waits {step_stats['host_waits']}, copy waits "
+                 f"{step_stats['copy_waits']}, saved but kept "
+                 f"{step_stats['kept_bytes'] / GIB:.2f} GiB, reloaded "
+                 f"{step_stats['reloaded_bytes'] / GIB:.2f} GiB")
     return Result(variant, tr.layers, True, offload_groups(variant, tr.layers),
+                  inflight_bound(variant),
                   sum(r[0] for r in rows) / k, sum(r[1] for r in rows) / k,
                   sum(r[2] for r in rows) / k, max(r[3] for r in rows) / GIB,
                   max(r[4] for r in rows) / GIB, moved / GIB, note=note)
@@ -419,6 +443,8 @@ def row(r: Result) -> str:
         return "-" if v is None else f"{v:.3f}"
 
     groups = "-" if r.groups is None else f"{r.groups}/{2 * r.layers}"
+    if r.inflight:
+        groups += f", copies waited beyond {r.inflight}"
     return (f"| {r.variant} | {r.layers} | {groups} | {r.ok} | {f(r.step_s)} | {f(r.fwd_s)} | "
             f"{f(r.fwdbwd_s)} | {f(r.peak_gib)} | {f(r.act_peak_gib)} | {f(r.moved_gib)} | "
             f"{f(r.bound)} | {r.note} |")
@@ -570,12 +596,13 @@ def main(argv: list[str] | None = None) -> int:
     plan: list[tuple[str, int]] = []
     for v in a.variants:
         if v == "sweep":
-            plan += [(f"kvtier_act@{n}", a.sweep_steps) for n in sweep_points(a.layers)]
+            plan += [(v, a.sweep_steps) for v in sweep_points(a.layers)]
         elif v != "search":
             plan.append((v, a.steps))
     for v, steps in plan:
-        n = offload_groups(v, a.layers)
-        if v.startswith("kvtier_act@") and any(r.groups == n and r.ok for r in res.values()):
+        n, k = offload_groups(v, a.layers), inflight_bound(v)
+        if v.startswith("kvtier_act@") and any((r.groups, r.inflight) == (n, k) and r.ok
+                                               for r in res.values()):
             continue  # this many halves is measured already
         if time.monotonic() > main_deadline:
             res[v] = Result(v, a.layers, False, note="skipped: time budget")

@@ -128,13 +128,15 @@ def get_cpu_offload_context(
     enabled: bool = True, num_layers: int = 1, model_layers: int = 1,
     manual_synchronization: bool = False, offload_stream: Any = None, *,
     arena: BufferArena | None = None, min_numel: int = DEFAULT_MIN_NUMEL,
-    pace_lag: int = DEFAULT_PACE_LAG,
+    pace_lag: int = DEFAULT_PACE_LAG, max_inflight_groups: int | None = None,
 ) -> tuple[Any, ...]:
     """``(ctx, sync_fn)``, plus a :class:`ManualOffloadSynchronizer` in manual mode.
 
     Offloads the first ``num_layers`` of ``model_layers`` layers (each ``with ctx`` block followed
     by one ``sync_fn`` call is one layer; the count wraps at ``model_layers``). ``pace_lag``: how
     many saves or boundaries the host may run ahead of the device while copies are in flight.
+    ``max_inflight_groups``: at each boundary wait for the copies of all but the last that many
+    layers (less memory, a forward no faster than the copies); None: never wait for copies.
     """
     if not 0 <= num_layers <= model_layers:
         raise InvalidArgument("num_layers", f"must be in [0, model_layers={model_layers}]")
@@ -144,7 +146,7 @@ def get_cpu_offload_context(
     off = ActivationOffloader(arena=arena, should_offload=lambda g: g < num_layers,
                               group_count=model_layers, min_numel=min_numel,
                               manual=manual_synchronization, offload_stream=offload_stream,
-                              pace_lag=pace_lag)
+                              pace_lag=pace_lag, max_inflight_groups=max_inflight_groups)
     ctx = OffloadContext(off)
     if manual_synchronization:
         return ctx, ctx.sync, ManualOffloadSynchronizer(off)

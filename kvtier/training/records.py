@@ -37,7 +37,8 @@ class OffloadStats:
     released_bytes: int = 0  # device bytes let go as soon as their copy was seen done
     reloaded_bytes: int = 0
     prefetches: int = 0
-    host_waits: int = 0  # boundaries where the host waited for the device to catch up
+    host_waits: int = 0  # times the host waited for the compute stream to catch up
+    copy_waits: int = 0  # times the host waited for copies (``max_inflight_groups``)
 
 
 def span_of(t: torch.Tensor) -> tuple[int, int] | None:
@@ -75,11 +76,12 @@ class Kept:
 class Saved:
     """One offloaded byte range ``[lo, lo + nbytes)`` of a storage."""
 
-    __slots__ = ("copy_done", "dev", "device", "inflight", "keep", "lo", "nbytes", "owner",
+    __slots__ = ("copy_done", "dev", "device", "epoch", "inflight", "keep", "lo", "nbytes", "owner",
                  "raced", "raw", "refs", "releasable", "reload_done", "versions", "views")
 
-    def __init__(self, t: torch.Tensor, span: tuple[int, int], owner: Any) -> None:
+    def __init__(self, t: torch.Tensor, span: tuple[int, int], owner: Any, epoch: int = 0) -> None:
         self.device = t.device
+        self.epoch = epoch  # the offloader's boundary count when saved
         self.lo, self.nbytes = span[0], span[1] - span[0]
         self.views: list[torch.Tensor] | None = []  # device views, held until the copy is done
         self.versions: list[int] = []

@@ -13,6 +13,10 @@ Contract of :class:`ActivationOffloader`:
       ``pace_lag`` saves or boundaries ahead of the compute stream (it waits on an event recorded
       there): the caching allocator hands memory out in host order, so a host running a layer
       ahead would allocate that layer before the copies that free memory for it are seen done.
+    * ``max_inflight_groups=k`` trades time for memory: at a boundary the host also waits for the
+      copies of all but the last ``k`` groups (their memory is then free for the next layer), so
+      the forward runs no faster than the copies (what TransformerEngine does with ``k=1``).
+      ``None`` (default): never; offload only as many layers as the forward can hide.
     * Host buffers go back to the arena once their copies are seen done; until then the offloader
       keeps them and reuses one for a copy of the same size, ordered after them on the device.
     * A reload allocates on the compute stream, fills on the reload stream, and the compute stream
@@ -56,12 +60,18 @@ class ActivationOffloader:
     def __init__(self, *, arena: BufferArena | None, should_offload: Callable[[int], bool],
                  group_count: int, min_numel: int = DEFAULT_MIN_NUMEL, manual: bool = False,
                  offload_stream: Any = None, streams: Any = None,
-                 pace_lag: int = DEFAULT_PACE_LAG) -> None:
+                 pace_lag: int = DEFAULT_PACE_LAG,
+                 max_inflight_groups: int | None = None) -> None:
         if min_numel < 0:
             raise InvalidArgument("min_numel", f"must be >= 0, got {min_numel}")
         if pace_lag < 1:
             raise InvalidArgument("pace_lag", f"must be >= 1, got {pace_lag}")
+        if max_inflight_groups is not None and max_inflight_groups < 1:
+            raise InvalidArgument("max_inflight_groups",
+                                  f"must be >= 1 or None, got {max_inflight_groups}")
         self.pace_lag = pace_lag
+        self.max_inflight_groups = max_inflight_groups
+        self.epoch = 0  # boundaries passed (never wraps)
         self.arena = arena if arena is not None else default_arena()
         self.should_offload = should_offload
         self.group_count = group_count
@@ -100,7 +110,7 @@ class ActivationOffloader:
         if hit is not None and (hit[1].views is not None or hit[0]() is not None):
             self.stats.deduplicated += 1
             return Ref(hit[1], t, span[0])
-        rec = Saved(t, span, self)
+        rec = Saved(t, span, self, self.epoch)
         self._dedup[key] = (weakref.ref(t), rec)
         self.groups.setdefault(self.group, []).append(rec)
         self.stats.offloaded_tensors += 1
@@ -184,6 +194,16 @@ class ActivationOffloader:
                 self.stats.host_waits += 1
                 done.synchronize()
 
+    def _bound_inflight(self) -> None:
+        """Wait for the copies of all but the last ``max_inflight_groups`` groups."""
+        k = self.max_inflight_groups
+        while k is not None and self._inflight and self._inflight[0].epoch <= self.epoch - k:
+            done = self._inflight[0].copy_done
+            if done is not None and not done.query():
+                self.stats.copy_waits += 1
+                done.synchronize()
+            self._reap()
+
     def _take_buffer(self, nbytes: int) -> tuple[torch.Tensor, list[CopyDone | None]]:
         """A host buffer: a cooling one of that size (the copy is ordered after its last use
         on the device), else one from the arena."""
@@ -242,8 +262,10 @@ class ActivationOffloader:
         groups, g = self.groups, self.group
         self._pace()
         self._reap()
+        self._bound_inflight()
         self._recycle_done()
         self._dedup.clear()
+        self.epoch += 1
         self.group += 1
         if self.group >= self.group_count:
             self.group = 0

@@ -39,8 +39,9 @@ def test_tiny_wide_preset_with_chosen_variants(bench: dict[str, Any], tmp_path: 
                           "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["config"]["optimizer"] == "gpu_stream"
-    assert [r["variant"] for r in data["results"]] == ["no_offload", "kvtier_act@1",
-                                                       "kvtier_act@2"]
+    assert [r["variant"] for r in data["results"]] == [
+        "no_offload", "kvtier_act@1", "kvtier_act@2", "kvtier_act@1~1", "kvtier_act@2~1"]
+    assert [r["inflight"] for r in data["results"]] == [None, None, None, 1, 1]
     assert "OffloadedOptimizer" in data["checks"]["activation_rows_optimizer"]
 
 

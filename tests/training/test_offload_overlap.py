@@ -193,3 +193,21 @@ def test_small_view_of_large_storage_is_kept(arena: Any) -> None:
     sync(y).backward()
     assert ctx.stats.kept_tensors >= 1
     assert torch.equal(big.grad[:, :8], 2 * big.detach()[:, :8])
+
+
+def test_max_inflight_groups_waits_for_older_copies(arena: Any) -> None:
+    """k = 1: at each boundary the copies of the earlier layers are waited for and freed."""
+    fake = FakeStreams()
+    off = ActivationOffloader(arena=arena, should_offload=lambda g: True, group_count=3,
+                              min_numel=1, streams=fake, max_inflight_groups=1)
+    ctx = OffloadContext(off)
+    x = torch.randn(128, 128, requires_grad=True)
+    held = []
+    for _ in range(3):
+        with ctx:
+            x = ctx.sync(x * x)
+        held.append(sum(r.views is not None for r in off._inflight))
+    # after boundary k only group k's copy may still hold its device memory
+    assert all(n <= 1 for n in held) and ctx.stats.copy_waits == 2
+    assert ctx.stats.host_waits == 0 and "compute_wait" not in fake.log
+    x.sum().backward()
