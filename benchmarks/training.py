@@ -35,8 +35,8 @@ a 128 GiB host; name it in ``--variants`` (before the kvtier rows) to measure it
 Rows are printed (flushed) as measured and the JSON (``--out``) and markdown (``.md``) rewritten
 after every row; the run is bounded by ``--budget-s``. ``--tiny`` is a CPU smoke test.
 
-    python benchmarks/training.py --out results/training.json --host-gb 100
-    python benchmarks/training.py --shape wide8192 --out results/wide.json --host-gb 96
+    python benchmarks/training.py --out results/training.json --host-gb 100        # ~4 min
+    python benchmarks/training.py --shape wide8192 --out results/wide.json --budget-s 200  # ~2-3 min
     python benchmarks/training.py --tiny --out /tmp/training.json      # CPU smoke test
 """
 
