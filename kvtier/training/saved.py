@@ -106,8 +106,10 @@ class ActivationOffloader:
             return Kept(t)
         key = (t.untyped_storage().data_ptr(), *span, t._version)
         hit = self._dedup.get(key)
-        # the address names the same storage while we or the first saver still hold it
-        if hit is not None and (hit[1].views is not None or hit[0]() is not None):
+        # the address names the same storage while we or the first saver still hold it; a record
+        # whose refs are all gone has given its buffers back
+        if hit is not None and hit[1].refs > 0 and (hit[1].views is not None
+                                                    or hit[0]() is not None):
             self.stats.deduplicated += 1
             return Ref(hit[1], t, span[0])
         rec = Saved(t, span, self, self.epoch)

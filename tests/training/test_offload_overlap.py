@@ -211,3 +211,16 @@ def test_max_inflight_groups_waits_for_older_copies(arena: Any) -> None:
     assert all(n <= 1 for n in held) and ctx.stats.copy_waits == 2
     assert ctx.stats.host_waits == 0 and "compute_wait" not in fake.log
     x.sum().backward()
+
+
+def test_saved_again_after_its_graph_was_dropped(arena: Any) -> None:
+    """A tensor whose first saving graph is gone is copied afresh when saved again."""
+    ctx, sync = get_cpu_offload_context(True, 1, 1, arena=arena, min_numel=1)
+    w = torch.randn(64, 64, requires_grad=True)
+    with ctx:
+        a = w * 2
+        (a * a).sum()  # saves ``a``; the graph is dropped at once
+        y = (a * a).sum()
+    sync(y).backward()
+    assert torch.equal(w.grad, 8 * w.detach())
+    assert ctx.stats.deduplicated == 2  # once within each graph, never across them
