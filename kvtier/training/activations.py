@@ -37,6 +37,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.training.base import BufferArena
 from kvtier.training.records import NO_OFFLOAD_ATTR, OffloadStats
 from kvtier.training.saved import (
+    DEFAULT_MAX_INFLIGHT_GROUPS,
     DEFAULT_MIN_NUMEL,
     DEFAULT_PACE_LAG,
     ActivationOffloader,
@@ -128,7 +129,8 @@ def get_cpu_offload_context(
     enabled: bool = True, num_layers: int = 1, model_layers: int = 1,
     manual_synchronization: bool = False, offload_stream: Any = None, *,
     arena: BufferArena | None = None, min_numel: int = DEFAULT_MIN_NUMEL,
-    pace_lag: int = DEFAULT_PACE_LAG, max_inflight_groups: int | None = None,
+    pace_lag: int = DEFAULT_PACE_LAG,
+    max_inflight_groups: int | None = DEFAULT_MAX_INFLIGHT_GROUPS,
 ) -> tuple[Any, ...]:
     """``(ctx, sync_fn)``, plus a :class:`ManualOffloadSynchronizer` in manual mode.
 
@@ -136,7 +138,8 @@ def get_cpu_offload_context(
     by one ``sync_fn`` call is one layer; the count wraps at ``model_layers``). ``pace_lag``: how
     many saves or boundaries the host may run ahead of the device while copies are in flight.
     ``max_inflight_groups``: at each boundary wait for the copies of all but the last that many
-    layers (less memory, a forward no faster than the copies); None: never wait for copies.
+    layers (default 1: memory first, a forward no faster than the copies); None: never wait for
+    a copy (fastest; offload only as many layers as the forward can hide).
     """
     if not 0 <= num_layers <= model_layers:
         raise InvalidArgument("num_layers", f"must be in [0, model_layers={model_layers}]")

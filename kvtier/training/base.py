@@ -8,10 +8,11 @@ and never call ``pin_memory()`` themselves. Contracts:
     * ``with ctx: x = layer(x)`` then ``x = sync_fn(x)`` once per layer. Saved tensors of offloaded
       layers (by default the first ``num_layers`` of ``model_layers``) are copied to host when they
       are *saved* (on CUDA: on the offload stream, after an event recorded on the compute stream),
-      their device memory is dropped as soon as the host sees the copy's event done (no stream or
-      host waits for it; the host is held within one layer of the device while copies are in
-      flight), and they are reloaded one layer ahead of backward (the sync_fn's backward
-      prefetches); one whose device copy is still held then is used as is.
+      their device memory is dropped as soon as the host sees the copy's event done (the compute
+      stream never waits for it; the host is held a few saves behind the device while copies are
+      in flight, and by default waits at each boundary for the copies of all but the latest layer:
+      ``max_inflight_groups=None`` never waits), and they are reloaded one layer ahead of backward
+      (the sync_fn's backward prefetches); one whose device copy is still held then is used as is.
     * Offloaded: floating point, not an ``nn.Parameter``, not ``mark_not_offload``-ed,
       ``numel() >= min_numel`` (default ``256 * 1024``), contiguous or a view whose storage is at
       most 4x its size (copied once for all its views). Everything else stays where it is.

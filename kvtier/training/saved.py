@@ -7,16 +7,17 @@ Contract of :class:`ActivationOffloader`:
       range of the tensor's storage: its own bytes when it is contiguous, else the whole storage
       when that is at most ``MAX_SPAN_RATIO`` times its own bytes (so the q/k/v views of one qkv
       output, or an attention output and its transposed view, share one copy in one layer).
-    * The device copy is dropped as soon as the host sees the copy done (an event query: the
-      compute stream never waits for an offload copy, the host never blocks on one). It is checked
-      at every save and layer boundary. While copies are in flight the host is held at most
+    * The device copy is dropped as soon as the host sees the copy done (an event query at every
+      save and layer boundary; the compute stream never waits for an offload copy, and freeing a
+      saved tensor never blocks the host). While copies are in flight the host is held at most
       ``pace_lag`` saves or boundaries ahead of the compute stream (it waits on an event recorded
       there): the caching allocator hands memory out in host order, so a host running a layer
       ahead would allocate that layer before the copies that free memory for it are seen done.
-    * ``max_inflight_groups=k`` trades time for memory: at a boundary the host also waits for the
-      copies of all but the last ``k`` groups (their memory is then free for the next layer), so
-      the forward runs no faster than the copies (what TransformerEngine does with ``k=1``).
-      ``None`` (default): never; offload only as many layers as the forward can hide.
+    * ``max_inflight_groups=k`` (default 1, as TransformerEngine) puts memory first: at a boundary
+      the host also waits for the copies of all but the last ``k`` groups (their memory is then
+      free for the next layer), so the forward runs no faster than the copies. ``None`` never
+      waits for a copy: fastest, and the right choice when only as many layers are offloaded as
+      the forward can hide (copies still running at the end of forward stay in the peak).
     * Host buffers go back to the arena once their copies are seen done; until then the offloader
       keeps them and reuses one for a copy of the same size, ordered after them on the device.
     * A reload allocates on the compute stream, fills on the reload stream, and the compute stream
@@ -50,6 +51,7 @@ from kvtier.training.streams import CopyDone, StreamPair
 
 DEFAULT_MIN_NUMEL = 256 * 1024
 DEFAULT_PACE_LAG = 3  # saves or boundaries: enough queued work to keep the device busy
+DEFAULT_MAX_INFLIGHT_GROUPS = 1
 
 Groups = dict[int, list[Saved]]
 
@@ -61,7 +63,7 @@ class ActivationOffloader:
                  group_count: int, min_numel: int = DEFAULT_MIN_NUMEL, manual: bool = False,
                  offload_stream: Any = None, streams: Any = None,
                  pace_lag: int = DEFAULT_PACE_LAG,
-                 max_inflight_groups: int | None = None) -> None:
+                 max_inflight_groups: int | None = DEFAULT_MAX_INFLIGHT_GROUPS) -> None:
         if min_numel < 0:
             raise InvalidArgument("min_numel", f"must be >= 0, got {min_numel}")
         if pace_lag < 1:

@@ -69,7 +69,7 @@ def copies(fake: FakeStreams) -> list[tuple[str, Any]]:
 
 def two_layers(streams: FakeStreams, arena: Any) -> tuple[OffloadContext, Any]:
     off = ActivationOffloader(arena=arena, should_offload=lambda g: g == 0, group_count=2,
-                              min_numel=1, streams=streams)
+                              min_numel=1, streams=streams, max_inflight_groups=None)
     ctx = OffloadContext(off)
     w = torch.randn(256, 256, requires_grad=True)
 
@@ -138,7 +138,7 @@ def test_host_buffers_recycled_after_their_copies(arena: Any) -> None:
 def test_host_paced_a_few_marks_behind_the_device(arena: Any, lag: int) -> None:
     fake = FakeStreams(marks_done=False)
     off = ActivationOffloader(arena=arena, should_offload=lambda g: True, group_count=4,
-                              min_numel=1, streams=fake, pace_lag=lag)
+                              min_numel=1, streams=fake, pace_lag=lag, max_inflight_groups=None)
     ctx = OffloadContext(off)
     x = torch.randn(128, 128, requires_grad=True)
     for _ in range(4):
@@ -196,10 +196,10 @@ def test_small_view_of_large_storage_is_kept(arena: Any) -> None:
 
 
 def test_max_inflight_groups_waits_for_older_copies(arena: Any) -> None:
-    """k = 1: at each boundary the copies of the earlier layers are waited for and freed."""
+    """k = 1 (the default): at each boundary the copies of the earlier layers are waited for."""
     fake = FakeStreams()
     off = ActivationOffloader(arena=arena, should_offload=lambda g: True, group_count=3,
-                              min_numel=1, streams=fake, max_inflight_groups=1)
+                              min_numel=1, streams=fake)
     ctx = OffloadContext(off)
     x = torch.randn(128, 128, requires_grad=True)
     held = []
