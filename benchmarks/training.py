@@ -491,7 +491,10 @@ def checks_of(res: dict[str, Result], searched: dict[str, Result], a: argparse.N
         out["link_d2h_gbs"] = round(gbs, 1)
     base, act, soc = res.get("no_offload"), res.get("kvtier_act"), res.get("save_on_cpu")
     if base is not None and base.ok:
-        out["bound_hideable_share_of_activations"] = bound_of(base, gbs)
+        share = bound_of(base, gbs)
+        out["bound_hideable_share_of_activations"] = share
+        if share is not None:
+            out["bound_hideable_gib"] = share * (base.act_peak_gib or 0)
         _vs(out, "act_offload", act, base)
         _vs(out, "act_third", res.get("kvtier_act_third"), base)
         best = best_within(res, base)
