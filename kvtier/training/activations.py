@@ -10,10 +10,11 @@ Usage (TransformerEngine style)::
             x = layer(x)
         x = sync_fn(x)
 
-Which saved tensors are offloaded: floating point, not an ``nn.Parameter``, not passed to
-:func:`mark_not_offload`, at least ``min_numel`` elements, on a CUDA or CPU device, and either
-contiguous or a view whose storage is at most ``MAX_SPAN_RATIO`` times its size (the storage is
-copied once for all its saved views in a layer). Tensors saved twice in one layer are copied once.
+Which saved tensors are offloaded: floating point, not an ``nn.Parameter`` or a view of one, not
+passed to :func:`mark_not_offload`, at least ``min_numel`` elements, on a CUDA or CPU device, and
+either contiguous or a view whose storage is at most ``MAX_SPAN_RATIO`` times its size (the
+storage is copied once for all its saved views in a layer). Tensors saved twice in one layer are
+copied once.
 
 Every decision follows the saved tensor's own device, never whether CUDA is available: a CUDA
 tensor is copied on the offload stream (after an event on its device's compute stream) and reloaded

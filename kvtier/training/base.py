@@ -13,9 +13,10 @@ and never call ``pin_memory()`` themselves. Contracts:
       in flight, and by default waits at each boundary for the copies of all but the latest layer:
       ``max_inflight_groups=None`` never waits), and they are reloaded one layer ahead of backward
       (the sync_fn's backward prefetches); one whose device copy is still held then is used as is.
-    * Offloaded: floating point, not an ``nn.Parameter``, not ``mark_not_offload``-ed,
-      ``numel() >= min_numel`` (default ``256 * 1024``), contiguous or a view whose storage is at
-      most 4x its size (copied once for all its views). Everything else stays where it is.
+    * Offloaded: floating point, not an ``nn.Parameter`` or a view of one, not
+      ``mark_not_offload``-ed, ``numel() >= min_numel`` (default ``256 * 1024``), contiguous or a
+      view whose storage is at most 4x its size (copied once for all its views). Everything else
+      stays where it is.
     * ``offload_modules(model, names)`` does the same per named submodule.
 
 ``GradientOffloader`` (``gradients.py``)

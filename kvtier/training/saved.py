@@ -96,6 +96,8 @@ class ActivationOffloader:
             and t.layout == torch.strided
             and t.numel() >= max(self.min_numel, 1)
             and not isinstance(t, torch.nn.Parameter)
+            # a view of a parameter (``weight.t()``, saved by every linear layer) frees nothing
+            and not isinstance(t._base, torch.nn.Parameter)
             and not getattr(t, NO_OFFLOAD_ATTR, False)
             and t.device.type in ("cuda", "cpu")
         )

@@ -224,3 +224,15 @@ def test_saved_again_after_its_graph_was_dropped(arena: Any) -> None:
     sync(y).backward()
     assert torch.equal(w.grad, 8 * w.detach())
     assert ctx.stats.deduplicated == 2  # once within each graph, never across them
+
+
+def test_views_of_parameters_stay(arena: Any) -> None:
+    """A linear layer saves ``weight.t()``: a non-contiguous view of a parameter, never moved."""
+    lin = torch.nn.Linear(512, 256)
+    x = torch.randn(4, 64, 512, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(True, 1, 1, arena=arena, min_numel=1)
+    with ctx:
+        y = sync(lin(x).sum())
+    y.backward()
+    assert ctx.stats.offloaded_bytes == x.numel() * 4  # the input only
+    assert ctx.stats.kept_bytes >= lin.weight.numel() * 4
