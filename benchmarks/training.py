@@ -8,8 +8,10 @@ Variants (``--variants``, comma separated; default: the preset's list):
                           half (``max_inflight_groups=1``, as TransformerEngine's compute waits)
     kvtier_act_third      of the first third of the layers, copies never waited for
     sweep                 ``kvtier_act@n``: the first n layer halves for several n, copies never
-                          waited for, and ``kvtier_act@n~1`` for the top three n, memory first;
+                          waited for, and ``kvtier_act@n~1`` / ``~2`` for the top three n (host
+                          waits for all but the last 1 / 2 halves' copies: memory first);
                           the best peak reduction within +10% step time is in the checks
+    kvtier_act@n[~k]      one sweep point
     kvtier_opt_cpu, kvtier_opt_gpu_stream
                           kvtier optimizer offload (against plain GPU AdamW, fp32 master weights)
     search                the most layers that train with and without kvtier (on a GPU capped at
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +74,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                      optimizer="gpu_stream", host_gb=96.0,
                      variants="no_offload,kvtier_act,sweep"),
 }
+ONE_POINT = re.compile(r"kvtier_act@\d+(~\d+)?")  # one sweep point, e.g. kvtier_act@5~2
 ALL_VARIANTS = ("no_offload", "save_on_cpu", "kvtier_act", "kvtier_act_third", "sweep",
                 "kvtier_opt_cpu", "kvtier_opt_gpu_stream", "search")
 
@@ -175,11 +179,12 @@ def inflight_bound(variant: str) -> int | None:
 def sweep_points(layers: int) -> list[str]:
     """Activation variants of the sweep: the first n layer halves for n from a few to all but
     the last layer, copies never waited for; and the top three n with the host waiting for
-    all but the latest layer half's copies (less memory for some forward time)."""
+    all but the latest one or two layer halves' copies (less memory for some forward time)."""
     top = 2 * layers - 2
     ns = sorted({max(1, round(top * f)) for f in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65,
                                                   0.8, 1.0)})
-    return [f"kvtier_act@{n}" for n in ns] + [f"kvtier_act@{n}~1" for n in ns[-3:]]
+    return ([f"kvtier_act@{n}" for n in ns] + [f"kvtier_act@{n}~1" for n in ns[-3:]]
+            + [f"kvtier_act@{n}~2" for n in ns[-3:]])
 
 
 def _runner(variant: str, layers: int, arena: Any, a: argparse.Namespace
@@ -555,9 +560,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(a, k, None) is None:
             setattr(a, k, v)
     a.variants = [v for v in a.variants.split(",") if v and not (v == "search" and a.no_search)]
-    bad = [v for v in a.variants if v not in ALL_VARIANTS]
+    bad = [v for v in a.variants if v not in ALL_VARIANTS and not ONE_POINT.fullmatch(v)]
     if bad:
-        p.error(f"--variants: unknown {bad}; accepted: {','.join(ALL_VARIANTS)}")
+        p.error(f"--variants: unknown {bad}; accepted: {','.join(ALL_VARIANTS)} or one sweep "
+                "point kvtier_act@N or kvtier_act@N~K")
     if a.tiny:
         a.layers, a.hidden, a.heads, a.seq, a.vocab, a.batch = 2, 64, 4, 128, 257, 2
         a.steps, a.sweep_steps, a.warmup, a.min_numel = 1, 1, 0, 1024
