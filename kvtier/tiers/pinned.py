@@ -42,6 +42,12 @@ class _Mapping:
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = pin and _register(self.tensor.data_ptr(), nbytes)
 
+    def __del__(self) -> None:
+        # Unpin before the mapping can go: CUDA keeps a registration past munmap, and a new
+        # mapping at the same address would then fail to register ("already mapped").
+        with contextlib.suppress(Exception):
+            self.release()
+
     def release(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
