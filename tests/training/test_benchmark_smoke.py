@@ -40,9 +40,21 @@ def test_tiny_wide_preset_with_chosen_variants(bench: dict[str, Any], tmp_path: 
     data = json.loads(out.read_text())
     assert data["config"]["optimizer"] == "gpu_stream"
     assert [r["variant"] for r in data["results"]] == [
-        "no_offload", "kvtier_act@1", "kvtier_act@2", "kvtier_act@1~1", "kvtier_act@2~1"]
-    assert [r["inflight"] for r in data["results"]] == [None, None, None, 1, 1]
+        "no_offload", "kvtier_act@1", "kvtier_act@2", "kvtier_act@1~1", "kvtier_act@2~1",
+        "kvtier_act@1~2", "kvtier_act@2~2"]
+    assert [r["inflight"] for r in data["results"]] == [None, None, None, 1, 1, 2, 2]
     assert "OffloadedOptimizer" in data["checks"]["activation_rows_optimizer"]
+
+
+def test_one_sweep_point_is_a_variant(bench: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "one.json"
+    assert bench["main"](["--tiny", "--variants", "no_offload,kvtier_act@2~2",
+                          "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["groups"], r["inflight"]) for r in rows] == [
+        ("no_offload", 0, None), ("kvtier_act@2~2", 2, 2)]
+    with pytest.raises(SystemExit):
+        bench["parse"](["--variants", "kvtier_act@x", "--out", "x.json"])
 
 
 def test_preset_values_and_overrides(bench: dict[str, Any]) -> None:
