@@ -12,8 +12,8 @@ page:
 :class:`PoolPages` holds that map for one store: one tenant, one pool, so pages are never shared
 across tenants. The pages die with the pool (``close``); keyed copies are not made.
 
-Tiers: the in-process engine reports each page's tier (``page_info``) just before the acquire.
-The daemon client has no per-page query, so its blocks report ``None`` (not counted).
+Tiers: each page's tier is read just before the acquire (``page_info`` in-process,
+``page_tiers`` through the daemon, one call per chunk).
 A page whose bytes were dropped (``PageLost``) ends the restored prefix there and is forgotten,
 with the later blocks of that request: never wrong KV.
 """
@@ -120,7 +120,7 @@ class PoolPages:
         for i in range(0, len(known), step):
             chunk = known[i : i + step]
             ids = [self.pages[k] for k in chunk]
-            before = [self._tier(p) for p in ids]
+            before = self._tiers(ids)
             slots, lost = self._acquire(ids)
             if slots:
                 try:
@@ -166,12 +166,14 @@ class PoolPages:
             got = b.client.acquire(self.pool.handle, ids)
         return None if got is None else [int(s) for s in got]
 
-    def _tier(self, page_id: int) -> Tier | None:
-        b = self.backend
+    def _tiers(self, page_ids: list[int]) -> list[Tier | None]:
+        """Where each page is now (``None``: its bytes were dropped)."""
+        b, pool = self.backend, self.pool.handle
         if isinstance(b, EngineBackend):
-            tier = b.engine.page_info(self.pool.handle.pool_id, page_id).tier
-            return None if tier is None else Tier(tier)
-        return None
+            infos = [b.engine.page_info(pool.pool_id, p) for p in page_ids]
+            return [None if i.tier is None else Tier(i.tier) for i in infos]
+        assert isinstance(b, ClientBackend)
+        return b.client.page_tiers(pool, page_ids)
 
     def _forget(self, keys: Sequence[bytes]) -> None:
         """Drop ``keys`` from the map and free their pages (a lost page and what followed it)."""

@@ -126,6 +126,10 @@ class AsyncKVTierClient:
     async def prefetch(self, att: Attachment, page_ids: Sequence[int]) -> int:
         return int(await self._do(ops.pages("Prefetch", self._ref(att), page_ids)))
 
+    async def page_tiers(self, att: Attachment, page_ids: Sequence[int]) -> list[Tier | None]:
+        """Where each page is now (``None``: its bytes were dropped); a snapshot."""
+        return await self._do(ops.page_tiers(self._ref(att), page_ids))
+
     async def set_priority(self, att: Attachment, page_ids: Sequence[int],
                            priority: float) -> None:
         await self._do(ops.set_priority(self._ref(att), page_ids, priority))

@@ -20,7 +20,7 @@ pages of its own pool of ``gpu_slots`` slots instead (see ``_hf_pool``): they st
 tier, the engine offloads and restores them like any page (``pool_id`` / ``page_ids()`` name
 them), and they are freed by ``close``. Restore then takes the pool's pages first and continues
 with keyed pages for the rest of the prefix. ``cache.restored_tiers`` counts where each block
-was (pool pages through a daemon client report no tier and are not counted).
+was.
 
 A page is one block of ``block_size`` tokens' KV across all layers, laid out
 ``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and padded to 4 KiB. Keys are

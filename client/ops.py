@@ -68,6 +68,13 @@ def pages(method: str, ref: pb.PoolRef, page_ids: Sequence[int]) -> Op:
     return Op(method, pb.PagesRequest(pool=ref, page_ids=list(page_ids)), parse)
 
 
+def page_tiers(ref: pb.PoolRef, page_ids: Sequence[int]) -> Op:
+    def parse(r: pb.PageTiersReply) -> list[Tier | None]:
+        return [None if lost else Tier(t) for t, lost in zip(r.tiers, r.lost, strict=True)]
+
+    return Op("PageTiers", pb.PagesRequest(pool=ref, page_ids=list(page_ids)), parse)
+
+
 def acquire(ref: pb.PoolRef, page_ids: Sequence[int], timeout: float | None) -> Op:
     req = pb.AcquireRequest(pool=ref, page_ids=list(page_ids), timeout_s=timeout or 0.0)
     return Op("Acquire", req, lambda r: list(r.slots), none_on_shortfall=True,

@@ -117,6 +117,10 @@ class KVTierClient:
     def prefetch(self, att: Attachment, page_ids: Sequence[int]) -> int:
         return int(self._do(ops.pages("Prefetch", self._ref(att), page_ids)))
 
+    def page_tiers(self, att: Attachment, page_ids: Sequence[int]) -> list[Tier | None]:
+        """Where each page is now (``None``: its bytes were dropped); a snapshot."""
+        return self._do(ops.page_tiers(self._ref(att), page_ids))
+
     def set_priority(self, att: Attachment, page_ids: Sequence[int], priority: float) -> None:
         self._do(ops.set_priority(self._ref(att), page_ids, priority))
 

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
-from kvtier.types import PageId, PoolId, SlotIndex
+from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -167,6 +167,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             pages = [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]
             self._engine.set_priority(pool, pages, validate.priority(req.priority))
             return pb.Empty()
+
+        return await self._run(ctx, call)
+
+    async def PageTiers(self, req: pb.PagesRequest, ctx: Ctx) -> pb.PageTiersReply:
+        def call() -> pb.PageTiersReply:
+            pool = self._pool(req)
+            infos = [self._engine.page_info(pool, PageId(p))
+                     for p in validate.ids(req.page_ids, "page_ids")]
+            return pb.PageTiersReply(
+                tiers=[convert.tier(i.tier if i.tier is not None else Tier.GPU) for i in infos],
+                lost=[i.tier is None for i in infos])
 
         return await self._run(ctx, call)
 

@@ -187,6 +187,14 @@ class CountReply(_message.Message):
     count: int
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
+class PageTiersReply(_message.Message):
+    __slots__ = ("tiers", "lost")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    lost: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lost: _Optional[_Iterable[bool]] = ...) -> None: ...
+
 class SetPriorityRequest(_message.Message):
     __slots__ = ("pool", "page_ids", "priority")
     POOL_FIELD_NUMBER: _ClassVar[int]

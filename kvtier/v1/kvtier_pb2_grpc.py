@@ -84,6 +84,11 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.SetPriorityRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.Empty.FromString,
                 _registered_method=True)
+        self.PageTiers = channel.unary_unary(
+                '/kvtier.v1.KVTier/PageTiers',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PagesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PageTiersReply.FromString,
+                _registered_method=True)
         self.Store = channel.unary_unary(
                 '/kvtier.v1.KVTier/Store',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.StoreRequest.SerializeToString,
@@ -191,6 +196,15 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PageTiers(self, request, context):
+        """Where each page is now (GPU, CPU or disk), in request order; `lost` is set for a page whose
+        bytes were dropped (its tier is then meaningless). A snapshot: pages may move right after.
+        NOT_FOUND: an unknown page.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Store(self, request, context):
         """Copies pinned slots into keyed host pages (content keys are salted per tenant by the daemon).
         Returns how many keys are stored; keys already present count as stored.
@@ -281,6 +295,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.SetPriority,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.SetPriorityRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.Empty.SerializeToString,
+            ),
+            'PageTiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.PageTiers,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PagesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PageTiersReply.SerializeToString,
             ),
             'Store': grpc.unary_unary_rpc_method_handler(
                     servicer.Store,
@@ -578,6 +597,33 @@ class KVTier:
             '/kvtier.v1.KVTier/SetPriority',
             kvtier_dot_v1_dot_kvtier__pb2.SetPriorityRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PageTiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/PageTiers',
+            kvtier_dot_v1_dot_kvtier__pb2.PagesRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PageTiersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -241,4 +241,4 @@ def test_pool_pages_through_daemon(model, daemon_factory) -> None:
         restored = conversation(model, store, turns())
         assert restored == [0, 32, 64]
         assert len(store.page_ids()) == 8
-        assert store.counters.restored_from == Counter()  # the client reports no page tiers
+        assert store.counters.restored_from == Counter({Tier.GPU: 6})  # through PageTiers

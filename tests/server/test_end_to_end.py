@@ -123,3 +123,29 @@ def test_watch_events_sees_only_own_pools(daemon: Daemon) -> None:
         assert any(ev.kind == "freed" for ev in seen), seen
         a.detach(pa)
         b.detach(pb)
+
+
+def tiers_until(c: KVTierClient, att: Attachment, pages: list[int], want: list[Tier],
+                timeout: float = 10.0) -> list[Tier | None]:
+    deadline = time.monotonic() + timeout
+    got = c.page_tiers(att, pages)
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+        got = c.page_tiers(att, pages)
+    return got
+
+
+def test_page_tiers_follow_the_pages(daemon: Daemon) -> None:
+    with daemon.client("tiers") as c:
+        att = c.attach(8)
+        written = fill(c, att, 3, salt=5)
+        pages = list(written)
+        assert c.page_tiers(att, pages) == [Tier.GPU] * 3
+        assert c.offload(att, pages[:2]) == 2
+        assert tiers_until(c, att, pages, [Tier.CPU, Tier.CPU, Tier.GPU]) == [
+            Tier.CPU, Tier.CPU, Tier.GPU]
+        verify(c, att, written)  # Acquire restores them
+        assert c.page_tiers(att, pages) == [Tier.GPU] * 3
+        with pytest.raises(NotFound):
+            c.page_tiers(att, [*pages, 10**9])
+        c.detach(att)

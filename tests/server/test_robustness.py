@@ -53,7 +53,7 @@ def world(daemon: Daemon) -> World:
     return World(daemon)
 
 
-PAGE_METHODS = ("Free", "Release", "Offload", "Prefetch")
+PAGE_METHODS = ("Free", "Release", "Offload", "Prefetch", "PageTiers")
 BIG = st.integers(min_value=10_000, max_value=2**62)
 NEG = st.integers(min_value=-(2**62), max_value=-1)
 
