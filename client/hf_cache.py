@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvtier.errors import CapacityError
 from kvtier.types import Tier
 
 from ._backend import Backend, Staging, as_backend, round_page
@@ -132,13 +133,30 @@ class ConversationStore:
         self.counters = StoreCounters()
         page = round_page(self.layout.raw_bytes)
         self._staging: Staging = self.backend.attach(staging_slots, page)
+        self._staged: torch.cuda.Event | None = None  # recorded after the last read of staging
         self._pool: PoolPages | None = None
-        if keep_on_gpu:
-            try:
+        try:
+            self._slots = self._hold_staging(staging_slots)
+            if keep_on_gpu:
                 self._pool = PoolPages(self.backend, gpu_slots, page)
-            except BaseException:
-                self.backend.detach(self._staging.handle)
-                raise
+        except BaseException:
+            self.backend.detach(self._staging.handle)
+            raise
+
+    def _hold_staging(self, n: int) -> list[int]:
+        """Pin every staging slot once, for the store's life: loads and stores then copy through
+        them without an allocate / release / free per call (consecutive slots, in order)."""
+        got = self.backend.allocate(self._staging.handle, n)
+        if got is None:
+            raise CapacityError(f"staging_slots: could not pin {n} slots of a new staging pool")
+        return sorted(s for _, s in got)
+
+    def _staging_free(self) -> None:
+        """Wait until what was read out of the staging slots has been copied (a load or store
+        through the engine or the daemon may overwrite them next)."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
 
     @property
     def pool_id(self) -> int:
@@ -258,21 +276,18 @@ class ConversationStore:
     def _load(self, keys: list[bytes], take: _Take, first: int) -> int:
         """Load the leading loadable blocks of ``keys``, hand their bytes to ``take``; how many.
 
-        ``take`` gets a view of the staging slots when they are consecutive (no extra copy); it
-        must copy what it keeps before returning: the slots are freed right after."""
-        st, b = self._staging, self.backend
-        pages = b.allocate(st.handle, len(keys))
-        if pages is None:
-            return 0
-        ids, slots = [p for p, _ in pages], [s for _, s in pages]
-        try:
-            got = b.load(st.handle, keys, slots)
-            if got:
-                take(staged_rows(st, slots[:got], self.layout.raw_bytes), first)
-            return got
-        finally:
-            b.release(st.handle, ids)
-            b.free(st.handle, ids)
+        ``take`` gets a view of the staging slots (a copy if they are not consecutive); what it
+        enqueues on the current stream is waited for before the slots are written again."""
+        st = self._staging
+        slots = self._slots[: len(keys)]
+        self._staging_free()
+        got = self.backend.load(st.handle, keys, slots)
+        if got:
+            take(staged_rows(st, slots[:got], self.layout.raw_bytes), first)
+            if st.rows.is_cuda:
+                self._staged = torch.cuda.Event()
+                self._staged.record()
+        return got
 
     # --- save -----------------------------------------------------------------------------------
     def save(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int], *,
@@ -340,14 +355,8 @@ class ConversationStore:
         ]).to(self.layout.dtype)
 
     def _store(self, keys: list[bytes], rows: torch.Tensor) -> int:
-        st, b = self._staging, self.backend
-        pages = b.allocate(st.handle, len(keys))
-        if pages is None:
-            return 0
-        ids, slots = [p for p, _ in pages], [s for _, s in pages]
-        try:
-            write_rows(st, slots, rows)
-            return b.store(st.handle, keys, slots)
-        finally:
-            b.release(st.handle, ids)
-            b.free(st.handle, ids)
+        st = self._staging
+        slots = self._slots[: len(keys)]
+        self._staging_free()
+        write_rows(st, slots, rows)
+        return self.backend.store(st.handle, keys, slots)
