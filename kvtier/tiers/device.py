@@ -30,7 +30,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -118,20 +118,34 @@ class DevicePool:
         if n < 0:
             raise InvalidArgument("n", f"must be >= 0, got {n}")
         with self._lock:
-            if n > len(self._free):
+            free = self._free
+            if n > len(free):
                 return None
-            out = [heapq.heappop(self._free) for _ in range(n)]
+            if n * 8 < len(free):
+                out = [heapq.heappop(free) for _ in range(n)]
+            else:  # a large share of the free slots: one sort beats n heap pops
+                free.sort()
+                out, self._free = free[:n], free[n:]  # a sorted list is a heap
+            is_free = self._is_free
             for s in out:
-                self._is_free[s] = 0
-            return [SlotIndex(s) for s in out]
+                is_free[s] = 0
+            return cast("list[SlotIndex]", out)
 
     def free(self, slots: Sequence[int]) -> None:
         """Return slots. Freeing a free or out-of-range slot is an internal error (assert)."""
         with self._lock:
+            is_free, n = self._is_free, self.num_slots
             for s in slots:
-                assert 0 <= s < self.num_slots and not self._is_free[s], f"bad free of slot {s}"
-                self._is_free[s] = 1
-                heapq.heappush(self._free, int(s))
+                assert 0 <= s < n and not is_free[s], f"bad free of slot {s}"
+            assert len(set(slots)) == len(slots), f"slot freed twice in {list(slots)}"
+            for s in slots:
+                is_free[s] = 1
+            if len(slots) * 8 < len(self._free):
+                for s in slots:
+                    heapq.heappush(self._free, int(s))
+            else:  # many at once: one heapify beats a push each
+                self._free.extend(int(s) for s in slots)
+                heapq.heapify(self._free)
 
     # ---- page copies ---------------------------------------------------------------------
     def gather_rows(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
