@@ -17,11 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from itertools import repeat
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from kvtier.batches import Chunks, Frees
+from kvtier.batches import Chunks, Frees, consume, split_by
 from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
-COMPLETE_CHUNK = 256  # pages finished per engine-lock hold
+COMPLETE_CHUNK = 1024  # pages finished per engine-lock hold
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
@@ -144,10 +145,15 @@ class EngineCore:
         if page.tier is Tier.GPU:
             assert page.pool_id is not None
             return self.pools[page.pool_id].policy
-        table = self.cpu_policy if page.tier is Tier.CPU else self.disk_policy
-        if page.page_size not in table:
-            table[page.page_size] = self.new_policy()
-        return table[page.page_size]
+        return self._tier_policy(page.tier, page.page_size)
+
+    def _tier_policy(self, tier: Tier, page_size: int) -> EvictionPolicy:
+        """The CPU or disk tier's policy for pages of ``page_size`` (created on first use)."""
+        table = self.cpu_policy if tier is Tier.CPU else self.disk_policy
+        policy = table.get(page_size)
+        if policy is None:
+            policy = table[page_size] = self.new_policy()
+        return policy
 
     def settle(self, page: Page, tier: Tier, slot: int) -> None:
         """Make ``tier``/``slot`` the page's home and let its policy track it."""
@@ -242,41 +248,51 @@ class EngineCore:
         urgent: bool,
         out: Chunks | None = None,
     ) -> int:
-        """``start`` for a batch of pages of one direction, submitted a batch at a time.
+        """``start`` for a batch of pages of one direction (as many as there are ``dsts``).
 
-        The same steps as ``start``, inlined: this loop runs once per page moved. With ``out``
-        the moves are collected there instead (the caller runs them).
+        A batch's worth of pages at a time leaves its policies in one call and is submitted at
+        once, so copies start while the rest is prepared. With ``out`` the moves are collected
+        there instead (the caller runs them).
         """
         if out is None:
             out = Chunks(self.scheduler, self.config.batch_bytes)
-        state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
-        gpu_side = direction in _GPU_SIDE
-        down = direction is Direction.GPU_TO_CPU
-        for page, dst in zip(pages, dsts, strict=False):
-            pool = self.pools[page.pool_id] if page.pool_id is not None else None
-            if page.tier is Tier.GPU:
-                assert pool is not None
-                pool.policy.remove(page.page_id)
-                pool.slot_pages.pop(page.slot, None)
-            else:
-                self.policy_of(page).remove(page.page_id)
-            move = Move(
-                direction,
-                page.page_size,
-                page.slot,
-                dst,
-                page,
-                pool.dev if gpu_side and pool is not None else None,
-                False,
-                urgent,
-                page.ready,
-            )
-            page.move = move
-            page.state = state
-            if down and pool is not None:
-                pool.moving_down += 1
-            out.add(move)
+        pages = pages[: len(dsts)]
+        if pages:
+            step = max(1, self.config.batch_bytes // pages[0].page_size)
+            for i in range(0, len(pages), step):
+                chunk = pages[i : i + step], direction, dsts[i : i + step], urgent
+                out.add_many(self._prepare(*chunk))
         return out.flush()
+
+    def _prepare(
+        self, pages: list[Page], direction: Direction, dsts: list[int], urgent: bool
+    ) -> list[Move]:
+        """The moves of ``pages`` (one direction): out of their tier's policy, marked moving."""
+        state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
+        from_gpu = direction is Direction.GPU_TO_CPU
+        gpu_side = direction in _GPU_SIDE
+        moves: list[Move] = []
+        for pool_id, (group, gdsts) in split_by([p.pool_id for p in pages], pages, dsts):
+            pool = self.pools[pool_id] if pool_id is not None else None
+            ids = [p.page_id for p in group]
+            if from_gpu:
+                assert pool is not None
+                pool.policy.remove_many(ids)
+                consume(map(pool.slot_pages.pop, [p.slot for p in group], repeat(None)))
+                pool.moving_down += len(group)
+            else:
+                for size, (sized,) in split_by([p.page_size for p in group], ids):
+                    self._tier_policy(direction.src, size).remove_many(sized)
+            dev = pool.dev if gpu_side and pool is not None else None
+            part = [
+                Move(direction, p.page_size, p.slot, dst, p, dev, False, urgent, p.ready)
+                for p, dst in zip(group, gdsts, strict=True)
+            ]
+            for page, move in zip(group, part, strict=True):
+                page.move = move
+                page.state = state
+            moves += part
+        return moves
 
     def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
         """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
@@ -343,8 +359,7 @@ class EngineCore:
             with self.cond:
                 frees = Frees()
                 end = start + step
-                for move, ok in zip(moves[start:end], results[start:end], strict=True):
-                    self._finish(move, ok, frees)
+                self._finish_many(moves[start:end], results[start:end], frees)
                 frees.apply(self)
                 self.cond.notify_all()
             start += step
@@ -370,6 +385,78 @@ class EngineCore:
         c.failures += len(moves) - ok_pages
         c.batches += 1
         c.seconds += seconds
+
+    def _finish_many(self, moves: list[Move], results: list[bool], frees: Frees) -> None:
+        """``_finish`` of each, in order; runs of plain successful moves are settled in bulk."""
+        direction = moves[0].direction if moves else None
+        run: list[Move] = []
+        for move, ok in zip(moves, results, strict=True):
+            if ok and not move.copy and move.page is not None and move.direction is direction:
+                run.append(move)
+                continue
+            if run:
+                self._settle_moved(run, frees)
+                run = []
+            self._finish(move, ok, frees)
+        if run:
+            self._settle_moved(run, frees)
+
+    def _settle_moved(self, run: list[Move], frees: Frees) -> None:
+        """What ``_finish`` does for successful moves of one direction, a call per batch for
+        the slots and policies instead of one per page."""
+        direction = run[0].direction
+        src, dst = direction._value_
+        if dst is Tier.DISK:  # disk records are written per page
+            for move in run:
+                self._finish(move, True, frees)
+            return
+        state = _STATE_OF[dst]
+        pages = cast("list[Page]", [m.page for m in run])
+        for page, move in zip(pages, run, strict=True):
+            page.move = None
+            page.tier, page.slot, page.state = dst, move.dst, state
+        for pool_id, (group, gmoves) in split_by([p.pool_id for p in pages], pages, run):
+            pool = self.pools.get(pool_id) if pool_id is not None else None
+            self._settle_group(direction, pool, group, gmoves, frees)
+        if self.events.active:
+            for page in pages:
+                self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
+        for page in pages:
+            if page.waits:
+                self.notify_waits(page)
+        doomed = [p for p in pages if p.doomed]
+        if doomed:
+            frees.apply(self)  # the pages' own slots must be settled before they go
+            for page in doomed:
+                self.release_page(page)
+                self.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
+
+    def _settle_group(
+        self,
+        direction: Direction,
+        pool: Pool | None,
+        pages: list[Page],
+        moves: list[Move],
+        frees: Frees,
+    ) -> None:
+        """Slots and policies of moved pages of one pool (or of no pool: keyed pages)."""
+        src, dst = direction._value_
+        srcs = [m.src for m in moves]
+        if src is Tier.GPU:
+            assert pool is not None
+            pool.moving_down -= len(pages)
+            frees.add_many(src, pool, pages[0].page_size, srcs)
+        else:
+            for size, (slots,) in split_by([p.page_size for p in pages], srcs):
+                frees.add_many(src, pool, size, slots)
+        metas = [p.meta() for p in pages]
+        if dst is Tier.GPU:
+            assert pool is not None
+            pool.slot_pages.update(zip([m.dst for m in moves], pages, strict=True))
+            pool.policy.insert_many(metas)
+        else:
+            for size, (part,) in split_by([p.page_size for p in pages], metas):
+                self._tier_policy(dst, size).insert_many(part)
 
     def _finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
         page = move.page

@@ -12,9 +12,9 @@ Contract:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.errors import NotFound
 from kvtier.types import PageId, PageMeta, PageState, PoolId, Tier
@@ -44,9 +44,15 @@ class Page:
     doomed: bool = False  # freed while moving: release everything when the move completes
     ready: Any = None  # CUDA event recorded when the engine last released the page
     waits: list[AcquireWait] | None = None  # acquires waiting for this page to reach the GPU
+    _meta: PageMeta | None = field(default=None, repr=False)  # meta(), until priority changes
 
     def meta(self) -> PageMeta:
-        return PageMeta(self.page_id, self.priority, self.position, self.length)
+        """What policies see of the page; built once and rebuilt when its priority changes
+        (position and length are fixed at creation)."""
+        meta = self._meta
+        if meta is None or meta.priority != self.priority:
+            meta = self._meta = PageMeta(self.page_id, self.priority, self.position, self.length)
+        return meta
 
     @property
     def moving(self) -> bool:
@@ -127,6 +133,17 @@ class PageTable:
         if page is None or page.pool_id != pool_id:
             raise NotFound(f"page {page_id} not found in pool {pool_id}")
         return page
+
+    def get_many(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> list[Page]:
+        """``get`` of each id, in order (one pass; the same ``NotFound`` for the first bad id)."""
+        found = list(map(self.pages.get, page_ids))
+        if None not in found:
+            pages = cast("list[Page]", found)
+            if all(p.pool_id == pool_id for p in pages):
+                return pages
+        for page_id in page_ids:
+            self.get(pool_id, page_id)  # raises for the first bad id
+        raise AssertionError("unreachable: a page was missing or of another pool")
 
     def keyed(self, key: bytes) -> Page | None:
         pid = self.by_key.get(key)

@@ -22,6 +22,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from itertools import groupby
+from operator import attrgetter
 
 from kvtier.errors import Unavailable
 from kvtier.transfer.base import Move, TransferHandler
@@ -29,6 +31,8 @@ from kvtier.types import Direction
 
 log = logging.getLogger(__name__)
 CompleteFn = Callable[[list[Move], list[bool], float], None]
+_KIND = attrgetter("direction", "urgent")
+_SIZE = attrgetter("page_size")
 _LANE_OF = {
     Direction.CPU_TO_GPU: "up",
     Direction.GPU_TO_CPU: "down",
@@ -70,8 +74,20 @@ class _Lane:
         return min(batch_bytes, queue[0].page_size * len(queue)) if queue else 0
 
     def take(self, batch_bytes: int) -> list[Move]:
+        """The head queue's next moves, up to ``batch_bytes`` (at least one move).
+
+        A queue holds one direction. Pages of one size (the common case) are taken as one slice
+        of the queue; otherwise move by move.
+        """
         queue = self._head()
         assert queue is not None
+        size = queue[0].page_size
+        k = min(len(queue), max(1, batch_bytes // size))
+        if k > 1 and queue[k - 1].page_size == size:
+            batch = [queue.popleft() for _ in range(k)]
+            if len(set(map(_SIZE, batch))) == 1:
+                return batch
+            queue.extendleft(reversed(batch))  # mixed sizes: put them back, take one by one
         batch = [queue.popleft()]
         size = batch[0].page_size
         while queue and queue[0].direction is batch[0].direction:
@@ -115,14 +131,12 @@ class TransferScheduler:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
             runs: list[tuple[deque[Move], list[Move]]] = []
-            key: tuple[Direction, bool] | None = None
-            for move in moves:  # one lookup per run of moves of one kind, not per move
-                if (move.direction, move.urgent) != key:
-                    if move.direction not in self._handlers:
-                        raise Unavailable(f"no handler for {move.direction.name}")
-                    key = (move.direction, move.urgent)
-                    runs.append((self._lanes[_LANE_OF[move.direction]].queue_for(move), []))
-                runs[-1][1].append(move)
+            # One lookup per run of moves of one kind, not per move.
+            for (direction, _), group in groupby(moves, key=_KIND):
+                if direction not in self._handlers:
+                    raise Unavailable(f"no handler for {direction.name}")
+                run = list(group)
+                runs.append((self._lanes[_LANE_OF[direction]].queue_for(run[0]), run))
             for queue, run in runs:  # all checked first: a refused submit queues nothing
                 queue.extend(run)
             self._cond.notify_all()
@@ -160,7 +174,7 @@ class TransferScheduler:
                     return
                 if not self._closed and self._ready(lane):
                     batch = lane.take(self._batch_bytes)
-                    self._inflight += sum(m.page_size for m in batch)
+                    self._inflight += sum(map(_SIZE, batch))
             launched = self._launch(batch) if batch else None
             if pending is not None:
                 self._finish(pending)
@@ -202,7 +216,7 @@ class TransferScheduler:
         except Exception:  # the engine's completion must never kill a lane
             log.exception("completing a %s batch failed", batch[0].direction.name)
         with self._cond:
-            self._inflight -= sum(m.page_size for m in batch)
+            self._inflight -= sum(map(_SIZE, batch))
             self._cond.notify_all()
 
     def close(self, grace: float = 10.0) -> None:
