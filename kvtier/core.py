@@ -27,7 +27,7 @@ from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
 from kvtier.events import Event, EventHub
-from kvtier.pagetable import Page, PageTable, advance_waits
+from kvtier.pagetable import Page, PageTable, advance_waits, advance_waits_many
 from kvtier.policy.admission import create_admission
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.registry import create_policy
@@ -126,10 +126,21 @@ class EngineCore:
             raise Unavailable("the engine is shut down")
 
     def protect(self, ids: Iterable[PageId]) -> None:
+        counts = self.cpu_protected
+        if isinstance(ids, set) and counts.keys().isdisjoint(ids):
+            counts.update(dict.fromkeys(ids, 1))  # distinct ids, none protected yet
+            return
         for pid in ids:
             self.cpu_protected[pid] = self.cpu_protected.get(pid, 0) + 1
 
     def unprotect(self, ids: Iterable[PageId]) -> None:
+        counts = self.cpu_protected
+        if isinstance(ids, set):  # distinct ids: take them all out, put back what others hold
+            order = list(ids)
+            held = list(map(counts.pop, order, repeat(0)))
+            if held and max(held) > 1:
+                counts.update((p, n - 1) for p, n in zip(order, held, strict=True) if n > 1)
+            return
         for pid in ids:
             left = self.cpu_protected.get(pid, 0) - 1
             if left > 0:
@@ -299,11 +310,8 @@ class EngineCore:
         todo = [p for p in pages if p.state is PageState.GPU and p.pins == 0]
         if not todo or not self.config.enabled:
             return 0
-        by_size: dict[int, list[Page]] = {}
-        for p in todo:
-            by_size.setdefault(p.page_size, []).append(p)
         queued = 0
-        for size, group in by_size.items():
+        for size, (group,) in split_by([p.page_size for p in todo], todo):
             slots = self.cascade.cpu_slots(size, len(group))
             queued += self.start_many(group, Direction.GPU_TO_CPU, slots, urgent=urgent)
         return queued
@@ -421,9 +429,11 @@ class EngineCore:
         if self.events.active:
             for page in pages:
                 self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
-        for page in pages:
-            if page.waits:
-                self.notify_waits(page)
+        waiting = [p for p in pages if p.waits]
+        if waiting:
+            for pool_id, (group,) in split_by([p.pool_id for p in waiting], waiting):
+                pool = self.pools.get(pool_id) if pool_id is not None else None
+                advance_waits_many(group, pool.pinned if pool is not None else set())
         doomed = [p for p in pages if p.doomed]
         if doomed:
             frees.apply(self)  # the pages' own slots must be settled before they go

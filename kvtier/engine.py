@@ -198,7 +198,7 @@ class TierEngine:
         with self._core.cond:
             self._core_open()
             self._pool(pool_id)
-            pages = [self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)]
+            pages = self._core.table.get_many(pool_id, check_ids("page_ids", page_ids))
             return self._core.offload(list(dict.fromkeys(pages)))
 
     def prefetch(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:

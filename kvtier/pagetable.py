@@ -43,7 +43,9 @@ class Page:
     move: Move | None = None  # the move in flight (state MOVING_*), else None
     doomed: bool = False  # freed while moving: release everything when the move completes
     ready: Any = None  # CUDA event recorded when the engine last released the page
-    waits: list[AcquireWait] | None = None  # acquires waiting for this page to reach the GPU
+    # Acquires waiting for this page to reach the GPU. A tuple, replaced and never mutated, so
+    # one acquire shares a single ``(wait,)`` between all its pages.
+    waits: tuple[AcquireWait, ...] | None = None
     _meta: PageMeta | None = field(default=None, repr=False)  # meta(), until priority changes
 
     def meta(self) -> PageMeta:
@@ -74,6 +76,25 @@ class AcquireWait:
     on_cpu: list[Page] = field(default_factory=list)
     on_disk: list[Page] = field(default_factory=list)
     lost: list[PageId] = field(default_factory=list)
+
+
+def advance_waits_many(pages: list[Page], pinned: set[PageId]) -> None:
+    """``advance_waits`` of each page (all with waits), the GPU arrivals pinned in one pass."""
+    gpu = PageState.GPU
+    landed = [p for p in pages if p.state is gpu]
+    for page in landed:
+        waits = page.waits
+        assert waits is not None
+        page.waits = None
+        page.pins += len(waits)
+        for wait in waits:
+            wait.pinned.append(page)
+            wait.left -= 1
+    pinned.update([p.page_id for p in landed])
+    if len(landed) < len(pages):
+        for page in pages:
+            if page.state is not gpu:
+                advance_waits(page, pinned)
 
 
 def advance_waits(page: Page, pinned: set[PageId]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -225,3 +227,40 @@ def test_store_into_a_full_cpu_tier_waits_for_the_disk_cascade(make_engine):
     assert engine.load(pool.pool_id, keys, slots) == 8
     for i, s in enumerate(slots):
         assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == i + 1
+
+
+def test_concurrent_acquires_of_overlapping_pages_pin_each_page_once_per_acquire(make_engine):
+    """Restores past the inline limit are queued, so the second acquire waits on pages the
+    first is already waiting for."""
+    engine = make_engine(disk=False, gpu_memory_gb=16 / 1024, cpu_memory_gb=16 / 1024)
+    pool = engine.attach("t", 3072)
+    ids = [p for p, _ in engine.allocate(pool.pool_id, 2816)]
+    engine.release(pool.pool_id, ids)
+    expected = fill(engine, pool, ids[::64], seed=3)
+    engine.offload(pool.pool_id, ids)
+    assert engine.wait_idle(10)
+    first, second = ids[:2560], ids[256:]  # 2304 pages wanted by both, 10 MiB each
+    results: dict[str, list[int] | None] = {}
+    threads = [
+        threading.Thread(
+            target=lambda k=k, w=w: results.__setitem__(k, engine.acquire(pool.pool_id, w))
+        )
+        for k, w in (("a", first), ("b", second))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results["a"] is not None and results["b"] is not None
+    for pid in ids:
+        info = engine.page_info(pool.pool_id, pid)
+        assert info.state is PageState.GPU
+        assert info.pins == (pid in first) + (pid in second)
+    for pid, slot in zip(first, results["a"], strict=True):
+        if pid in expected:
+            assert torch.equal(pool.segments[0][slot], expected[pid])
+    engine.release(pool.pool_id, first)
+    engine.release(pool.pool_id, second)
+    assert all(engine.page_info(pool.pool_id, p).pins == 0 for p in ids)
+    engine.free(pool.pool_id, ids)
+    assert engine.stats().tiers[0].used_bytes == 0
