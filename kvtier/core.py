@@ -191,6 +191,31 @@ class EngineCore:
             self.disk.clear_record(page_size, DiskSlot(slot))
             self.disk.free(page_size, [slot])
 
+    def settle_new(self, pool: Pool, pages: list[Page]) -> None:
+        """``settle`` of new pages already placed in ``pool``'s slots, in one call."""
+        pool.slot_pages.update(zip([p.slot for p in pages], pages, strict=True))
+        pool.policy.insert_many([p.meta() for p in pages])
+
+    def release_pages(self, pages: list[Page]) -> None:
+        """``release_page`` of settled GPU and CPU pages (not moving), a call per tier, pool
+        and page size rather than per page."""
+        keys = [(p.tier, p.pool_id, p.page_size) for p in pages]
+        for (tier, pool_id, size), (group,) in split_by(keys, pages):
+            assert tier is not Tier.DISK and all(p.state is _STATE_OF[tier] for p in group)
+            pool = self.pools.get(pool_id) if pool_id is not None else None
+            ids, slots = [p.page_id for p in group], [p.slot for p in group]
+            if tier is Tier.GPU:
+                assert pool is not None
+                pool.policy.remove_many(ids)
+                consume(map(pool.slot_pages.pop, slots, repeat(None)))
+                pool.dev.free(slots)
+            else:
+                self._tier_policy(tier, size).remove_many(ids)
+                self.host.free(size, slots)
+            if pool is not None:
+                pool.pinned.difference_update(ids)
+            self.table.remove_many(group)
+
     def release_page(self, page: Page) -> None:
         """Forget a settled page and free its slot (free / detach / drop)."""
         if not page.moving and page.state is not PageState.DROPPED:

@@ -121,6 +121,16 @@ def advance_waits(page: Page, pinned: set[PageId]) -> None:
             (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
 
 
+def _by_pool(pages: list[Page]) -> dict[PoolId | None, list[Page]]:
+    first = pages[0].pool_id if pages else None
+    if all(p.pool_id == first for p in pages):
+        return {first: pages} if pages else {}
+    out: dict[PoolId | None, list[Page]] = {}
+    for page in pages:
+        out.setdefault(page.pool_id, []).append(page)
+    return out
+
+
 @dataclass(slots=True)
 class PageTable:
     """Pages by id, by pool and by (salted) content key."""
@@ -140,6 +150,28 @@ class PageTable:
             self.by_pool.setdefault(page.pool_id, set()).add(page.page_id)
         if page.key is not None:
             self.by_key[page.key] = page.page_id
+
+    def new_ids(self, n: int) -> list[PageId]:
+        return cast("list[PageId]", list(itertools.islice(self._ids, n)))
+
+    def add_pool_pages(self, pool_id: PoolId, pages: list[Page]) -> None:
+        """``add`` of new pages of one pool (pool pages carry no content key), in one call."""
+        fresh = {p.page_id: p for p in pages}
+        assert len(fresh) == len(pages) and self.pages.keys().isdisjoint(fresh)
+        self.pages.update(fresh)
+        self.by_pool.setdefault(pool_id, set()).update(fresh)
+
+    def remove_many(self, pages: list[Page]) -> None:
+        """``remove`` of each."""
+        for pool_id, group in _by_pool(pages).items():
+            ids = [p.page_id for p in group]
+            for page_id in ids:
+                self.pages.pop(page_id, None)
+            if pool_id is not None:
+                self.by_pool.get(pool_id, set()).difference_update(ids)
+        for page in pages:
+            if page.key is not None and self.by_key.get(page.key) == page.page_id:
+                del self.by_key[page.key]
 
     def remove(self, page: Page) -> None:
         self.pages.pop(page.page_id, None)

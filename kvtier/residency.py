@@ -64,27 +64,17 @@ class Residency:
                     return None
             slots = pool.dev.alloc(n)
             assert slots is not None
-            out = []
-            length = sequence_length or n
-            for i, slot in enumerate(slots):
-                page = Page(
-                    core.table.new_id(),
-                    pool_id,
-                    pool.tenant,
-                    pool.page_size,
-                    PageState.GPU,
-                    Tier.GPU,
-                    slot,
-                    priority=pool.default_priority if priority is None else priority,
-                    position=i,
-                    length=length,
-                    pins=1,
-                )
-                core.table.add(page)
-                core.settle(page, Tier.GPU, slot)
-                pool.pinned.add(page.page_id)
-                out.append((page.page_id, SlotIndex(slot)))
-            return out
+            ids = core.table.new_ids(n)
+            prio = pool.default_priority if priority is None else priority
+            length, size, tenant, gpu = sequence_length or n, pool.page_size, pool.tenant, Tier.GPU
+            pages = [
+                Page(pid, pool_id, tenant, size, PageState.GPU, gpu, slot, prio, i, length, 1)
+                for i, (pid, slot) in enumerate(zip(ids, slots, strict=True))
+            ]
+            core.table.add_pool_pages(pool_id, pages)
+            core.settle_new(pool, pages)
+            pool.pinned.update(ids)
+            return list(zip(ids, slots, strict=True))
 
     def acquire(
         self, pool_id: PoolId, page_ids: Sequence[PageId], *, timeout: float | None = None

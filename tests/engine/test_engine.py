@@ -264,3 +264,33 @@ def test_concurrent_acquires_of_overlapping_pages_pin_each_page_once_per_acquire
     assert all(engine.page_info(pool.pool_id, p).pins == 0 for p in ids)
     engine.free(pool.pool_id, ids)
     assert engine.stats().tiers[0].used_bytes == 0
+
+
+def test_free_of_pages_in_every_state_at_once(make_engine):
+    """GPU and CPU pages are released in bulk; moving, disk and dropped ones page by page."""
+    engine = make_engine(disk=False, cpu_memory_gb=4 * PAGE / 2**30)
+    pool = engine.attach("t", 2)
+    ids = []
+    for _ in range(5):
+        got = engine.allocate(pool.pool_id, 2)
+        ids += [p for p, _ in got]
+        engine.release(pool.pool_id, [p for p, _ in got])
+    states = {engine.page_info(pool.pool_id, p).state for p in ids}
+    assert PageState.DROPPED in states and PageState.CPU in states, states
+    on_gpu = [p for p in ids if engine.page_info(pool.pool_id, p).state is PageState.GPU]
+    engine.offload(pool.pool_id, on_gpu[:1])  # queued or in flight while it is freed
+    events = engine.subscribe()
+    engine.free(pool.pool_id, ids)
+    assert engine.wait_idle(10)
+    for pid in ids:
+        with pytest.raises(NotFound):
+            engine.page_info(pool.pool_id, pid)
+    stats = engine.stats()
+    assert [t.used_bytes for t in stats.tiers] == [0, 0, 0]
+    freed = set()
+    while (event := events.get(timeout=1)) is not None:
+        if event.kind == "freed":
+            freed.add(event.page_id)
+    assert freed == set(ids)
+    again = engine.allocate(pool.pool_id, 2)  # every GPU slot came back
+    assert again is not None
