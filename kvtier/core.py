@@ -41,6 +41,7 @@ from kvtier.transfer.base import Move
 from kvtier.types import Direction, PageId, PageState, PoolId, Tier
 
 if TYPE_CHECKING:
+    from kvtier.tiers.device import DevicePool
     from kvtier.tiers.disk import DiskStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ COMPLETE_CHUNK = 1024  # pages finished per engine-lock hold
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
+# Finished moves kept for reuse: allocating one object per page moved makes the cyclic GC run
+# full collections over every live page every ~70k moves, which cost more than the moves.
+SPARE_MOVES = 1 << 16
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -92,6 +96,7 @@ class EngineCore:
             on_complete=self.complete,
         )
         self.cascade = Cascade(self)
+        self._spare_moves: list[Move] = []
         self._reload_disk()
 
     def _reload_disk(self) -> None:
@@ -320,10 +325,7 @@ class EngineCore:
                 for size, (sized,) in split_by([p.page_size for p in group], ids):
                     self._tier_policy(direction.src, size).remove_many(sized)
             dev = pool.dev if gpu_side and pool is not None else None
-            part = [
-                Move(direction, p.page_size, p.slot, dst, p, dev, False, urgent, p.ready)
-                for p, dst in zip(group, gdsts, strict=True)
-            ]
+            part = self._moves(direction, group, gdsts, dev, urgent)
             for page, move in zip(group, part, strict=True):
                 page.move = move
                 page.state = state
@@ -377,6 +379,38 @@ class EngineCore:
             started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
         return started
 
+    def _moves(
+        self,
+        direction: Direction,
+        pages: list[Page],
+        dsts: list[int],
+        dev: DevicePool | None,
+        urgent: bool,
+    ) -> list[Move]:
+        """Moves of ``pages`` to ``dsts``: spare (finished) moves first, then new ones."""
+        spare = self._spare_moves
+        k = min(len(spare), len(pages))
+        reused = spare[len(spare) - k :]
+        del spare[len(spare) - k :]
+        for move, page, dst in zip(reused, pages, dsts, strict=False):  # the first k pages
+            move.direction, move.page_size = direction, page.page_size
+            move.src, move.dst = page.slot, dst
+            move.page, move.pool, move.urgent, move.ready = page, dev, urgent, page.ready
+        return reused + [
+            Move(direction, p.page_size, p.slot, dst, p, dev, False, urgent, p.ready)
+            for p, dst in zip(pages[k:], dsts[k:], strict=True)
+        ]
+
+    def _recycle(self, moves: list[Move]) -> None:
+        """Keep a completed batch's engine moves as spares. Copy moves are never reused: their
+        callers read ``result``. Nothing else holds a move once it completed (the scheduler
+        promises not to read it again; its page's ``move`` was cleared)."""
+        room = SPARE_MOVES - len(self._spare_moves)
+        done = [m for m in moves[: max(0, room)] if not m.copy and m.page is not None]
+        for move in done:
+            move.page = move.pool = move.ready = None
+        self._spare_moves += done
+
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
         """Finish a batch, a chunk of pages per lock hold; slots go back to their tiers in bulk.
@@ -400,6 +434,7 @@ class EngineCore:
                 time.sleep(YIELD_S)
         with self.cond:
             self._count(moves, results, seconds)
+            self._recycle(moves)
             self.cond.notify_all()
 
     def _count(self, moves: list[Move], results: list[bool], seconds: float) -> None:

@@ -13,6 +13,7 @@ Contract:
     * ``cancel(move)`` removes a queued move (True) or reports it already started (False).
     * ``on_complete(moves, results, seconds)`` is called on the lane thread after every batch,
       including failed ones (all False) and, on ``close``, every move still queued (all False).
+      The scheduler never reads those moves again, so the engine may reuse them.
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ _LANE_OF = {
 
 
 class _Pending:
-    __slots__ = ("batch", "start", "waiter")
+    __slots__ = ("batch", "direction", "nbytes", "start", "waiter")
 
-    def __init__(self, batch: list[Move], waiter: Callable[[], list[bool]], start: float) -> None:
-        self.batch, self.waiter, self.start = batch, waiter, start
+    def __init__(
+        self, batch: list[Move], waiter: Callable[[], list[bool]], start: float, nbytes: int
+    ) -> None:
+        self.batch, self.waiter, self.start, self.nbytes = batch, waiter, start, nbytes
+        self.direction = batch[0].direction
 
 
 def _failed(n: int) -> Callable[[], list[bool]]:
@@ -167,6 +171,7 @@ class TransferScheduler:
         pending: _Pending | None = None
         while True:
             batch: list[Move] = []
+            nbytes = 0
             with self._cond:
                 while not self._closed and pending is None and not self._ready(lane):
                     self._cond.wait()
@@ -174,8 +179,9 @@ class TransferScheduler:
                     return
                 if not self._closed and self._ready(lane):
                     batch = lane.take(self._batch_bytes)
-                    self._inflight += sum(map(_SIZE, batch))
-            launched = self._launch(batch) if batch else None
+                    nbytes = sum(map(_SIZE, batch))
+                    self._inflight += nbytes
+            launched = self._launch(batch, nbytes) if batch else None
             if pending is not None:
                 self._finish(pending)
             pending = launched
@@ -185,7 +191,7 @@ class TransferScheduler:
         want = lane.peek_bytes(self._batch_bytes)
         return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
 
-    def _launch(self, batch: list[Move]) -> _Pending:
+    def _launch(self, batch: list[Move], nbytes: int) -> _Pending:
         handler = self._handlers[batch[0].direction]
         start = time.perf_counter()
         try:
@@ -195,7 +201,7 @@ class TransferScheduler:
                 "launching a %s batch of %d pages failed", batch[0].direction.name, len(batch)
             )
             waiter = _failed(len(batch))
-        return _Pending(batch, waiter, start)
+        return _Pending(batch, waiter, start, nbytes)
 
     def _finish(self, pending: _Pending) -> None:
         batch = pending.batch
@@ -209,14 +215,16 @@ class TransferScheduler:
         end = time.perf_counter()
         # Busy time only: a batch launched while its predecessor ran starts counting when that
         # one finished, so per-direction seconds never double-count overlapping batches.
-        busy = end - max(pending.start, self._last_end.get(batch[0].direction, 0.0))
-        self._last_end[batch[0].direction] = end
+        direction = pending.direction
+        busy = end - max(pending.start, self._last_end.get(direction, 0.0))
+        self._last_end[direction] = end
+        pending.batch = []  # on_complete owns the moves from here on
         try:
             self._on_complete(batch, results, busy)
         except Exception:  # the engine's completion must never kill a lane
-            log.exception("completing a %s batch failed", batch[0].direction.name)
+            log.exception("completing a %s batch failed", direction.name)
         with self._cond:
-            self._inflight -= sum(map(_SIZE, batch))
+            self._inflight -= pending.nbytes
             self._cond.notify_all()
 
     def close(self, grace: float = 10.0) -> None:
