@@ -39,6 +39,7 @@ from kvtier.tiers.base import PoolHandle
 from kvtier.types import SlotIndex
 
 _SHM_DIR = "/dev/shm"
+_BULK_FREE = 64  # frees of at least this many slots skip the heap until the next alloc
 _IPC_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("torch", "Tensor"),
@@ -66,7 +67,8 @@ class DevicePool:
         self.device = str(segments[0].device)
         self.shm_path = shm_path
         self.owned = owned
-        self._free = list(range(self.num_slots))  # a heap: lowest slot first
+        self._free = list(range(self.num_slots))  # a heap (lowest slot first) unless _unordered
+        self._unordered = False  # bulk frees append; the next alloc restores the heap once
         self._is_free = bytearray(b"\x01") * self.num_slots
         self._lock = threading.Lock()
         self._closed = False
@@ -122,10 +124,13 @@ class DevicePool:
             if n > len(free):
                 return None
             if n * 8 < len(free):
+                if self._unordered:
+                    heapq.heapify(free)
                 out = [heapq.heappop(free) for _ in range(n)]
             else:  # a large share of the free slots: one sort beats n heap pops
                 free.sort()
                 out, self._free = free[:n], free[n:]  # a sorted list is a heap
+            self._unordered = False
             is_free = self._is_free
             for s in out:
                 is_free[s] = 0
@@ -140,12 +145,12 @@ class DevicePool:
             assert len(set(slots)) == len(slots), f"slot freed twice in {list(slots)}"
             for s in slots:
                 is_free[s] = 1
-            if len(slots) * 8 < len(self._free):
+            if self._unordered or len(slots) >= _BULK_FREE:
+                self._free += map(int, slots)  # ordered once, by the next alloc
+                self._unordered = True
+            else:
                 for s in slots:
                     heapq.heappush(self._free, int(s))
-            else:  # many at once: one heapify beats a push each
-                self._free.extend(int(s) for s in slots)
-                heapq.heapify(self._free)
 
     # ---- page copies ---------------------------------------------------------------------
     def gather_rows(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
