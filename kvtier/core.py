@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterable
 from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -53,6 +54,7 @@ INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the cal
 # Finished moves kept for reuse: allocating one object per page moved makes the cyclic GC run
 # full collections over every live page every ~70k moves, which cost more than the moves.
 SPARE_MOVES = 1 << 16
+_SIZE, _DIRECTION = attrgetter("page_size"), attrgetter("direction")
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -441,13 +443,16 @@ class EngineCore:
         if not moves:
             return
         direction = moves[0].direction
-        if any(m.direction is not direction for m in moves):  # close(): leftovers of all kinds
+        if list(map(_DIRECTION, moves)).count(direction) != len(moves):  # close(): leftovers
             for move, ok in zip(moves, results, strict=True):
                 self._count([move], [ok], 0.0)
             return
         c = self.counters.moved[direction]
-        ok_bytes = sum(m.page_size for m, ok in zip(moves, results, strict=True) if ok)
         ok_pages = sum(results)
+        if ok_pages == len(moves):  # the common case: one C-level pass
+            ok_bytes = sum(map(_SIZE, moves))
+        else:
+            ok_bytes = sum(m.page_size for m, ok in zip(moves, results, strict=True) if ok)
         c.bytes += ok_bytes
         c.pages += ok_pages
         c.failures += len(moves) - ok_pages

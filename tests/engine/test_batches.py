@@ -52,3 +52,21 @@ def test_take_respects_bytes_for_one_size_and_for_mixed_sizes() -> None:
     assert [m.src for m in mixed.take(3 * 4096)] == [2, 3]  # the 16 KiB one would pass it
     assert [m.src for m in mixed.take(3 * 4096)] == [4]  # a move larger than a batch goes alone
     assert mixed.count(restores=False) == 0
+
+
+def test_batch_counters_count_bytes_of_successes_only_and_mixed_leftovers_per_direction() -> None:
+    from kvtier.core import EngineCore
+    from kvtier.stats import EngineCounters
+
+    core = EngineCore.__new__(EngineCore)  # only the counters are needed
+    core.counters = EngineCounters()
+    down = [Move(Direction.GPU_TO_CPU, 4096 * (i + 1), i, i) for i in range(3)]
+    core._count(down, [True, True, True], 0.5)
+    core._count(down, [True, False, True], 0.25)
+    c = core.counters.moved[Direction.GPU_TO_CPU]
+    assert (c.bytes, c.pages, c.failures, c.batches) == (6 * 4096 + 4 * 4096, 5, 1, 2)
+    assert c.seconds == 0.75
+    up = Move(Direction.CPU_TO_GPU, 4096, 0, 0)
+    core._count([down[0], up], [False, True], 0.0)  # close(): leftovers of both kinds
+    assert core.counters.moved[Direction.CPU_TO_GPU].pages == 1
+    assert core.counters.moved[Direction.GPU_TO_CPU].failures == 2
