@@ -9,6 +9,8 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
       disk read drops the page: its stored bytes are not trustworthy).
     * Room is made by cascades: CPU full -> CPU victims go to disk through the admission rule, or
       are dropped; disk full -> disk victims are dropped. Drops are counted and published.
+    * Batches of moves are prepared and finished in bulk by ``kvtier.bulk`` (same steps, a call
+      per batch instead of per page); ``finish`` is the one-move form it falls back to.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import time
 from collections.abc import Iterable
 from itertools import repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.batches import Chunks, Frees, consume, split_by
+from kvtier.batches import Chunks, Frees, split_by
+from kvtier.bulk import BulkMoves
 from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
 from kvtier.events import Event, EventHub
-from kvtier.pagetable import Page, PageTable, advance_waits, advance_waits_many
+from kvtier.pagetable import Page, PageTable, advance_waits
 from kvtier.policy.admission import create_admission
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.registry import create_policy
@@ -42,7 +45,6 @@ from kvtier.transfer.base import Move
 from kvtier.types import Direction, PageId, PageState, PoolId, Tier
 
 if TYPE_CHECKING:
-    from kvtier.tiers.device import DevicePool
     from kvtier.tiers.disk import DiskStore
 
 log = logging.getLogger(__name__)
@@ -51,9 +53,6 @@ COMPLETE_CHUNK = 1024  # pages finished per engine-lock hold
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
-# Finished moves kept for reuse: allocating one object per page moved makes the cyclic GC run
-# full collections over every live page every ~70k moves, which cost more than the moves.
-SPARE_MOVES = 1 << 16
 _SIZE, _DIRECTION = attrgetter("page_size"), attrgetter("direction")
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
@@ -98,7 +97,7 @@ class EngineCore:
             on_complete=self.complete,
         )
         self.cascade = Cascade(self)
-        self._spare_moves: list[Move] = []
+        self.bulk = BulkMoves(self)
         self._reload_disk()
 
     def _reload_disk(self) -> None:
@@ -163,9 +162,9 @@ class EngineCore:
         if page.tier is Tier.GPU:
             assert page.pool_id is not None
             return self.pools[page.pool_id].policy
-        return self._tier_policy(page.tier, page.page_size)
+        return self.tier_policy(page.tier, page.page_size)
 
-    def _tier_policy(self, tier: Tier, page_size: int) -> EvictionPolicy:
+    def tier_policy(self, tier: Tier, page_size: int) -> EvictionPolicy:
         """The CPU or disk tier's policy for pages of ``page_size`` (created on first use)."""
         table = self.cpu_policy if tier is Tier.CPU else self.disk_policy
         policy = table.get(page_size)
@@ -197,31 +196,6 @@ class EngineCore:
             assert self.disk is not None
             self.disk.clear_record(page_size, DiskSlot(slot))
             self.disk.free(page_size, [slot])
-
-    def settle_new(self, pool: Pool, pages: list[Page]) -> None:
-        """``settle`` of new pages already placed in ``pool``'s slots, in one call."""
-        pool.slot_pages.update(zip([p.slot for p in pages], pages, strict=True))
-        pool.policy.insert_many([p.meta() for p in pages])
-
-    def release_pages(self, pages: list[Page]) -> None:
-        """``release_page`` of settled GPU and CPU pages (not moving), a call per tier, pool
-        and page size rather than per page."""
-        keys = [(p.tier, p.pool_id, p.page_size) for p in pages]
-        for (tier, pool_id, size), (group,) in split_by(keys, pages):
-            assert tier is not Tier.DISK and all(p.state is _STATE_OF[tier] for p in group)
-            pool = self.pools.get(pool_id) if pool_id is not None else None
-            ids, slots = [p.page_id for p in group], [p.slot for p in group]
-            if tier is Tier.GPU:
-                assert pool is not None
-                pool.policy.remove_many(ids)
-                consume(map(pool.slot_pages.pop, slots, repeat(None)))
-                pool.dev.free(slots)
-            else:
-                self._tier_policy(tier, size).remove_many(ids)
-                self.host.free(size, slots)
-            if pool is not None:
-                pool.pinned.difference_update(ids)
-            self.table.remove_many(group)
 
     def release_page(self, page: Page) -> None:
         """Forget a settled page and free its slot (free / detach / drop)."""
@@ -304,35 +278,8 @@ class EngineCore:
             step = max(1, self.config.batch_bytes // pages[0].page_size)
             for i in range(0, len(pages), step):
                 chunk = pages[i : i + step], direction, dsts[i : i + step], urgent
-                out.add_many(self._prepare(*chunk))
+                out.add_many(self.bulk.prepare(*chunk))
         return out.flush()
-
-    def _prepare(
-        self, pages: list[Page], direction: Direction, dsts: list[int], urgent: bool
-    ) -> list[Move]:
-        """The moves of ``pages`` (one direction): out of their tier's policy, marked moving."""
-        state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
-        from_gpu = direction is Direction.GPU_TO_CPU
-        gpu_side = direction in _GPU_SIDE
-        moves: list[Move] = []
-        for pool_id, (group, gdsts) in split_by([p.pool_id for p in pages], pages, dsts):
-            pool = self.pools[pool_id] if pool_id is not None else None
-            ids = [p.page_id for p in group]
-            if from_gpu:
-                assert pool is not None
-                pool.policy.remove_many(ids)
-                consume(map(pool.slot_pages.pop, [p.slot for p in group], repeat(None)))
-                pool.moving_down += len(group)
-            else:
-                for size, (sized,) in split_by([p.page_size for p in group], ids):
-                    self._tier_policy(direction.src, size).remove_many(sized)
-            dev = pool.dev if gpu_side and pool is not None else None
-            part = self._moves(direction, group, gdsts, dev, urgent)
-            for page, move in zip(group, part, strict=True):
-                page.move = move
-                page.state = state
-            moves += part
-        return moves
 
     def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
         """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
@@ -381,38 +328,6 @@ class EngineCore:
             started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
         return started
 
-    def _moves(
-        self,
-        direction: Direction,
-        pages: list[Page],
-        dsts: list[int],
-        dev: DevicePool | None,
-        urgent: bool,
-    ) -> list[Move]:
-        """Moves of ``pages`` to ``dsts``: spare (finished) moves first, then new ones."""
-        spare = self._spare_moves
-        k = min(len(spare), len(pages))
-        reused = spare[len(spare) - k :]
-        del spare[len(spare) - k :]
-        for move, page, dst in zip(reused, pages, dsts, strict=False):  # the first k pages
-            move.direction, move.page_size = direction, page.page_size
-            move.src, move.dst = page.slot, dst
-            move.page, move.pool, move.urgent, move.ready = page, dev, urgent, page.ready
-        return reused + [
-            Move(direction, p.page_size, p.slot, dst, p, dev, False, urgent, p.ready)
-            for p, dst in zip(pages[k:], dsts[k:], strict=True)
-        ]
-
-    def _recycle(self, moves: list[Move]) -> None:
-        """Keep a completed batch's engine moves as spares. Copy moves are never reused: their
-        callers read ``result``. Nothing else holds a move once it completed (the scheduler
-        promises not to read it again; its page's ``move`` was cleared)."""
-        room = SPARE_MOVES - len(self._spare_moves)
-        done = [m for m in moves[: max(0, room)] if not m.copy and m.page is not None]
-        for move in done:
-            move.page = move.pool = move.ready = None
-        self._spare_moves += done
-
     # -- complete --------------------------------------------------------------------------------
     def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
         """Finish a batch, a chunk of pages per lock hold; slots go back to their tiers in bulk.
@@ -428,7 +343,7 @@ class EngineCore:
             with self.cond:
                 frees = Frees()
                 end = start + step
-                self._finish_many(moves[start:end], results[start:end], frees)
+                self.bulk.finish(moves[start:end], results[start:end], frees)
                 frees.apply(self)
                 self.cond.notify_all()
             start += step
@@ -436,7 +351,7 @@ class EngineCore:
                 time.sleep(YIELD_S)
         with self.cond:
             self._count(moves, results, seconds)
-            self._recycle(moves)
+            self.bulk.recycle(moves)
             self.cond.notify_all()
 
     def _count(self, moves: list[Move], results: list[bool], seconds: float) -> None:
@@ -459,81 +374,8 @@ class EngineCore:
         c.batches += 1
         c.seconds += seconds
 
-    def _finish_many(self, moves: list[Move], results: list[bool], frees: Frees) -> None:
-        """``_finish`` of each, in order; runs of plain successful moves are settled in bulk."""
-        direction = moves[0].direction if moves else None
-        run: list[Move] = []
-        for move, ok in zip(moves, results, strict=True):
-            if ok and not move.copy and move.page is not None and move.direction is direction:
-                run.append(move)
-                continue
-            if run:
-                self._settle_moved(run, frees)
-                run = []
-            self._finish(move, ok, frees)
-        if run:
-            self._settle_moved(run, frees)
-
-    def _settle_moved(self, run: list[Move], frees: Frees) -> None:
-        """What ``_finish`` does for successful moves of one direction, a call per batch for
-        the slots and policies instead of one per page."""
-        direction = run[0].direction
-        src, dst = direction._value_
-        if dst is Tier.DISK:  # disk records are written per page
-            for move in run:
-                self._finish(move, True, frees)
-            return
-        state = _STATE_OF[dst]
-        pages = cast("list[Page]", [m.page for m in run])
-        for page, move in zip(pages, run, strict=True):
-            page.move = None
-            page.tier, page.slot, page.state = dst, move.dst, state
-        for pool_id, (group, gmoves) in split_by([p.pool_id for p in pages], pages, run):
-            pool = self.pools.get(pool_id) if pool_id is not None else None
-            self._settle_group(direction, pool, group, gmoves, frees)
-        if self.events.active:
-            for page in pages:
-                self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
-        waiting = [p for p in pages if p.waits]
-        if waiting:
-            for pool_id, (group,) in split_by([p.pool_id for p in waiting], waiting):
-                pool = self.pools.get(pool_id) if pool_id is not None else None
-                advance_waits_many(group, pool.pinned if pool is not None else set())
-        doomed = [p for p in pages if p.doomed]
-        if doomed:
-            frees.apply(self)  # the pages' own slots must be settled before they go
-            for page in doomed:
-                self.release_page(page)
-                self.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
-
-    def _settle_group(
-        self,
-        direction: Direction,
-        pool: Pool | None,
-        pages: list[Page],
-        moves: list[Move],
-        frees: Frees,
-    ) -> None:
-        """Slots and policies of moved pages of one pool (or of no pool: keyed pages)."""
-        src, dst = direction._value_
-        srcs = [m.src for m in moves]
-        if src is Tier.GPU:
-            assert pool is not None
-            pool.moving_down -= len(pages)
-            frees.add_many(src, pool, pages[0].page_size, srcs)
-        else:
-            for size, (slots,) in split_by([p.page_size for p in pages], srcs):
-                frees.add_many(src, pool, size, slots)
-        metas = [p.meta() for p in pages]
-        if dst is Tier.GPU:
-            assert pool is not None
-            pool.slot_pages.update(zip([m.dst for m in moves], pages, strict=True))
-            pool.policy.insert_many(metas)
-        else:
-            for size, (part,) in split_by([p.page_size for p in pages], metas):
-                self._tier_policy(dst, size).insert_many(part)
-
-    def _finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
+    def finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
+        """Complete one move (see the module docstring); ``frees`` collects source slots."""
         page = move.page
         if move.copy or page is None:
             if page is not None and move.direction is Direction.GPU_TO_CPU:  # a stored block
@@ -581,7 +423,7 @@ class EngineCore:
         if move is None or not self.scheduler.cancel(move):
             return False
         self.counters.cancelled_offloads += int(not move.direction.is_restore)
-        self._finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(
+        self.finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(
             move
         )
         return True

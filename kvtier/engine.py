@@ -169,7 +169,7 @@ class TierEngine:
             ids = check_ids("page_ids", page_ids)
             pages = list(dict.fromkeys(self._core.table.get_many(pool.pool_id, ids)))
             settled = [p for p in pages if p.state is PageState.GPU or p.state is PageState.CPU]
-            self._core.release_pages(settled)
+            self._core.bulk.release_pages(settled)
             if self._core.events.active:
                 for page in settled:
                     self._core.events.publish(Event("freed", pool_id, page.page_id, None, None))

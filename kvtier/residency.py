@@ -72,7 +72,7 @@ class Residency:
                 for i, (pid, slot) in enumerate(zip(ids, slots, strict=True))
             ]
             core.table.add_pool_pages(pool_id, pages)
-            core.settle_new(pool, pages)
+            core.bulk.settle_new(pool, pages)
             pool.pinned.update(ids)
             return list(zip(ids, slots, strict=True))
 

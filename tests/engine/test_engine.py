@@ -321,4 +321,4 @@ def test_round_trips_reuse_moves_across_pools_page_sizes_and_directions(make_eng
                 row = pool.segments[0][slot]
                 assert int(row.min()) == int(row.max()) == pid % 251
             engine.release(pool.pool_id, ids)
-    assert engine._core._spare_moves, "finished moves are kept for reuse"
+    assert engine._core.bulk.spares, "finished moves are kept for reuse"
