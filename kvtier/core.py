@@ -9,6 +9,8 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
       disk read drops the page: its stored bytes are not trustworthy).
     * Room is made by cascades: CPU full -> CPU victims go to disk through the admission rule, or
       are dropped; disk full -> disk victims are dropped. Drops are counted and published.
+    * Batches of moves are prepared and finished in bulk by ``kvtier.bulk`` (same steps, a call
+      per batch instead of per page); ``finish`` is the one-move form it falls back to.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.batches import Chunks, Frees
+from kvtier.batches import Chunks, Frees, split_by
+from kvtier.bulk import BulkMoves
 from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
@@ -44,10 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
-COMPLETE_CHUNK = 256  # pages finished per engine-lock hold
+COMPLETE_CHUNK = 1024  # pages finished per engine-lock hold
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
+_SIZE, _DIRECTION = attrgetter("page_size"), attrgetter("direction")
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -91,6 +97,7 @@ class EngineCore:
             on_complete=self.complete,
         )
         self.cascade = Cascade(self)
+        self.bulk = BulkMoves(self)
         self._reload_disk()
 
     def _reload_disk(self) -> None:
@@ -125,10 +132,21 @@ class EngineCore:
             raise Unavailable("the engine is shut down")
 
     def protect(self, ids: Iterable[PageId]) -> None:
+        counts = self.cpu_protected
+        if isinstance(ids, set) and counts.keys().isdisjoint(ids):
+            counts.update(dict.fromkeys(ids, 1))  # distinct ids, none protected yet
+            return
         for pid in ids:
             self.cpu_protected[pid] = self.cpu_protected.get(pid, 0) + 1
 
     def unprotect(self, ids: Iterable[PageId]) -> None:
+        counts = self.cpu_protected
+        if isinstance(ids, set):  # distinct ids: take them all out, put back what others hold
+            order = list(ids)
+            held = list(map(counts.pop, order, repeat(0)))
+            if held and max(held) > 1:
+                counts.update((p, n - 1) for p, n in zip(order, held, strict=True) if n > 1)
+            return
         for pid in ids:
             left = self.cpu_protected.get(pid, 0) - 1
             if left > 0:
@@ -144,10 +162,15 @@ class EngineCore:
         if page.tier is Tier.GPU:
             assert page.pool_id is not None
             return self.pools[page.pool_id].policy
-        table = self.cpu_policy if page.tier is Tier.CPU else self.disk_policy
-        if page.page_size not in table:
-            table[page.page_size] = self.new_policy()
-        return table[page.page_size]
+        return self.tier_policy(page.tier, page.page_size)
+
+    def tier_policy(self, tier: Tier, page_size: int) -> EvictionPolicy:
+        """The CPU or disk tier's policy for pages of ``page_size`` (created on first use)."""
+        table = self.cpu_policy if tier is Tier.CPU else self.disk_policy
+        policy = table.get(page_size)
+        if policy is None:
+            policy = table[page_size] = self.new_policy()
+        return policy
 
     def settle(self, page: Page, tier: Tier, slot: int) -> None:
         """Make ``tier``/``slot`` the page's home and let its policy track it."""
@@ -242,40 +265,20 @@ class EngineCore:
         urgent: bool,
         out: Chunks | None = None,
     ) -> int:
-        """``start`` for a batch of pages of one direction, submitted a batch at a time.
+        """``start`` for a batch of pages of one direction (as many as there are ``dsts``).
 
-        The same steps as ``start``, inlined: this loop runs once per page moved. With ``out``
-        the moves are collected there instead (the caller runs them).
+        A batch's worth of pages at a time leaves its policies in one call and is submitted at
+        once, so copies start while the rest is prepared. With ``out`` the moves are collected
+        there instead (the caller runs them).
         """
         if out is None:
             out = Chunks(self.scheduler, self.config.batch_bytes)
-        state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
-        gpu_side = direction in _GPU_SIDE
-        down = direction is Direction.GPU_TO_CPU
-        for page, dst in zip(pages, dsts, strict=False):
-            pool = self.pools[page.pool_id] if page.pool_id is not None else None
-            if page.tier is Tier.GPU:
-                assert pool is not None
-                pool.policy.remove(page.page_id)
-                pool.slot_pages.pop(page.slot, None)
-            else:
-                self.policy_of(page).remove(page.page_id)
-            move = Move(
-                direction,
-                page.page_size,
-                page.slot,
-                dst,
-                page,
-                pool.dev if gpu_side and pool is not None else None,
-                False,
-                urgent,
-                page.ready,
-            )
-            page.move = move
-            page.state = state
-            if down and pool is not None:
-                pool.moving_down += 1
-            out.add(move)
+        pages = pages[: len(dsts)]
+        if pages:
+            step = max(1, self.config.batch_bytes // pages[0].page_size)
+            for i in range(0, len(pages), step):
+                chunk = pages[i : i + step], direction, dsts[i : i + step], urgent
+                out.add_many(self.bulk.prepare(*chunk))
         return out.flush()
 
     def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
@@ -283,11 +286,8 @@ class EngineCore:
         todo = [p for p in pages if p.state is PageState.GPU and p.pins == 0]
         if not todo or not self.config.enabled:
             return 0
-        by_size: dict[int, list[Page]] = {}
-        for p in todo:
-            by_size.setdefault(p.page_size, []).append(p)
         queued = 0
-        for size, group in by_size.items():
+        for size, (group,) in split_by([p.page_size for p in todo], todo):
             slots = self.cascade.cpu_slots(size, len(group))
             queued += self.start_many(group, Direction.GPU_TO_CPU, slots, urgent=urgent)
         return queued
@@ -343,8 +343,7 @@ class EngineCore:
             with self.cond:
                 frees = Frees()
                 end = start + step
-                for move, ok in zip(moves[start:end], results[start:end], strict=True):
-                    self._finish(move, ok, frees)
+                self.bulk.finish(moves[start:end], results[start:end], frees)
                 frees.apply(self)
                 self.cond.notify_all()
             start += step
@@ -352,26 +351,31 @@ class EngineCore:
                 time.sleep(YIELD_S)
         with self.cond:
             self._count(moves, results, seconds)
+            self.bulk.recycle(moves)
             self.cond.notify_all()
 
     def _count(self, moves: list[Move], results: list[bool], seconds: float) -> None:
         if not moves:
             return
         direction = moves[0].direction
-        if any(m.direction is not direction for m in moves):  # close(): leftovers of all kinds
+        if list(map(_DIRECTION, moves)).count(direction) != len(moves):  # close(): leftovers
             for move, ok in zip(moves, results, strict=True):
                 self._count([move], [ok], 0.0)
             return
         c = self.counters.moved[direction]
-        ok_bytes = sum(m.page_size for m, ok in zip(moves, results, strict=True) if ok)
         ok_pages = sum(results)
+        if ok_pages == len(moves):  # the common case: one C-level pass
+            ok_bytes = sum(map(_SIZE, moves))
+        else:
+            ok_bytes = sum(m.page_size for m, ok in zip(moves, results, strict=True) if ok)
         c.bytes += ok_bytes
         c.pages += ok_pages
         c.failures += len(moves) - ok_pages
         c.batches += 1
         c.seconds += seconds
 
-    def _finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
+    def finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
+        """Complete one move (see the module docstring); ``frees`` collects source slots."""
         page = move.page
         if move.copy or page is None:
             if page is not None and move.direction is Direction.GPU_TO_CPU:  # a stored block
@@ -419,7 +423,7 @@ class EngineCore:
         if move is None or not self.scheduler.cancel(move):
             return False
         self.counters.cancelled_offloads += int(not move.direction.is_restore)
-        self._finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(
+        self.finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(
             move
         )
         return True

@@ -166,9 +166,17 @@ class TierEngine:
     def free(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
         with self._core.cond:
             pool = self._pool(pool_id)
-            pages = [self._core.table.get(pool.pool_id, p) for p in check_ids("page_ids", page_ids)]
-            for page in dict.fromkeys(pages):
-                self._free_page(page)
+            ids = check_ids("page_ids", page_ids)
+            pages = list(dict.fromkeys(self._core.table.get_many(pool.pool_id, ids)))
+            settled = [p for p in pages if p.state is PageState.GPU or p.state is PageState.CPU]
+            self._core.bulk.release_pages(settled)
+            if self._core.events.active:
+                for page in settled:
+                    self._core.events.publish(Event("freed", pool_id, page.page_id, None, None))
+            if len(settled) < len(pages):
+                for page in pages:
+                    if page.state is not PageState.GPU and page.state is not PageState.CPU:
+                        self._free_page(page)
             self._core.cond.notify_all()
 
     def _free_page(self, page: Page) -> None:
@@ -198,7 +206,7 @@ class TierEngine:
         with self._core.cond:
             self._core_open()
             self._pool(pool_id)
-            pages = [self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)]
+            pages = self._core.table.get_many(pool_id, check_ids("page_ids", page_ids))
             return self._core.offload(list(dict.fromkeys(pages)))
 
     def prefetch(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:

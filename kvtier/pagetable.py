@@ -12,9 +12,9 @@ Contract:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.errors import NotFound
 from kvtier.types import PageId, PageMeta, PageState, PoolId, Tier
@@ -43,10 +43,18 @@ class Page:
     move: Move | None = None  # the move in flight (state MOVING_*), else None
     doomed: bool = False  # freed while moving: release everything when the move completes
     ready: Any = None  # CUDA event recorded when the engine last released the page
-    waits: list[AcquireWait] | None = None  # acquires waiting for this page to reach the GPU
+    # Acquires waiting for this page to reach the GPU. A tuple, replaced and never mutated, so
+    # one acquire shares a single ``(wait,)`` between all its pages.
+    waits: tuple[AcquireWait, ...] | None = None
+    _meta: PageMeta | None = field(default=None, repr=False)  # meta(), until priority changes
 
     def meta(self) -> PageMeta:
-        return PageMeta(self.page_id, self.priority, self.position, self.length)
+        """What policies see of the page; built once and rebuilt when its priority changes
+        (position and length are fixed at creation)."""
+        meta = self._meta
+        if meta is None or meta.priority != self.priority:
+            meta = self._meta = PageMeta(self.page_id, self.priority, self.position, self.length)
+        return meta
 
     @property
     def moving(self) -> bool:
@@ -68,6 +76,25 @@ class AcquireWait:
     on_cpu: list[Page] = field(default_factory=list)
     on_disk: list[Page] = field(default_factory=list)
     lost: list[PageId] = field(default_factory=list)
+
+
+def advance_waits_many(pages: list[Page], pinned: set[PageId]) -> None:
+    """``advance_waits`` of each page (all with waits), the GPU arrivals pinned in one pass."""
+    gpu = PageState.GPU
+    landed = [p for p in pages if p.state is gpu]
+    for page in landed:
+        waits = page.waits
+        assert waits is not None
+        page.waits = None
+        page.pins += len(waits)
+        for wait in waits:
+            wait.pinned.append(page)
+            wait.left -= 1
+    pinned.update([p.page_id for p in landed])
+    if len(landed) < len(pages):
+        for page in pages:
+            if page.state is not gpu:
+                advance_waits(page, pinned)
 
 
 def advance_waits(page: Page, pinned: set[PageId]) -> None:
@@ -94,6 +121,16 @@ def advance_waits(page: Page, pinned: set[PageId]) -> None:
             (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
 
 
+def _by_pool(pages: list[Page]) -> dict[PoolId | None, list[Page]]:
+    first = pages[0].pool_id if pages else None
+    if all(p.pool_id == first for p in pages):
+        return {first: pages} if pages else {}
+    out: dict[PoolId | None, list[Page]] = {}
+    for page in pages:
+        out.setdefault(page.pool_id, []).append(page)
+    return out
+
+
 @dataclass(slots=True)
 class PageTable:
     """Pages by id, by pool and by (salted) content key."""
@@ -114,6 +151,28 @@ class PageTable:
         if page.key is not None:
             self.by_key[page.key] = page.page_id
 
+    def new_ids(self, n: int) -> list[PageId]:
+        return cast("list[PageId]", list(itertools.islice(self._ids, n)))
+
+    def add_pool_pages(self, pool_id: PoolId, pages: list[Page]) -> None:
+        """``add`` of new pages of one pool (pool pages carry no content key), in one call."""
+        fresh = {p.page_id: p for p in pages}
+        assert len(fresh) == len(pages) and self.pages.keys().isdisjoint(fresh)
+        self.pages.update(fresh)
+        self.by_pool.setdefault(pool_id, set()).update(fresh)
+
+    def remove_many(self, pages: list[Page]) -> None:
+        """``remove`` of each."""
+        for pool_id, group in _by_pool(pages).items():
+            ids = [p.page_id for p in group]
+            for page_id in ids:
+                self.pages.pop(page_id, None)
+            if pool_id is not None:
+                self.by_pool.get(pool_id, set()).difference_update(ids)
+        for page in pages:
+            if page.key is not None and self.by_key.get(page.key) == page.page_id:
+                del self.by_key[page.key]
+
     def remove(self, page: Page) -> None:
         self.pages.pop(page.page_id, None)
         if page.pool_id is not None:
@@ -127,6 +186,17 @@ class PageTable:
         if page is None or page.pool_id != pool_id:
             raise NotFound(f"page {page_id} not found in pool {pool_id}")
         return page
+
+    def get_many(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> list[Page]:
+        """``get`` of each id, in order (one pass; the same ``NotFound`` for the first bad id)."""
+        found = list(map(self.pages.get, page_ids))
+        if None not in found:
+            pages = cast("list[Page]", found)
+            if all(p.pool_id == pool_id for p in pages):
+                return pages
+        for page_id in page_ids:
+            self.get(pool_id, page_id)  # raises for the first bad id
+        raise AssertionError("unreachable: a page was missing or of another pool")
 
     def keyed(self, key: bytes) -> Page | None:
         pid = self.by_key.get(key)

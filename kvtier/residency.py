@@ -11,7 +11,9 @@ before any state changes.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -62,27 +64,17 @@ class Residency:
                     return None
             slots = pool.dev.alloc(n)
             assert slots is not None
-            out = []
-            length = sequence_length or n
-            for i, slot in enumerate(slots):
-                page = Page(
-                    core.table.new_id(),
-                    pool_id,
-                    pool.tenant,
-                    pool.page_size,
-                    PageState.GPU,
-                    Tier.GPU,
-                    slot,
-                    priority=pool.default_priority if priority is None else priority,
-                    position=i,
-                    length=length,
-                    pins=1,
-                )
-                core.table.add(page)
-                core.settle(page, Tier.GPU, slot)
-                pool.pinned.add(page.page_id)
-                out.append((page.page_id, SlotIndex(slot)))
-            return out
+            ids = core.table.new_ids(n)
+            prio = pool.default_priority if priority is None else priority
+            length, size, tenant, gpu = sequence_length or n, pool.page_size, pool.tenant, Tier.GPU
+            pages = [
+                Page(pid, pool_id, tenant, size, PageState.GPU, gpu, slot, prio, i, length, 1)
+                for i, (pid, slot) in enumerate(zip(ids, slots, strict=True))
+            ]
+            core.table.add_pool_pages(pool_id, pages)
+            core.bulk.settle_new(pool, pages)
+            pool.pinned.update(ids)
+            return list(zip(ids, slots, strict=True))
 
     def acquire(
         self, pool_id: PoolId, page_ids: Sequence[PageId], *, timeout: float | None = None
@@ -94,10 +86,10 @@ class Residency:
         with core.cond:
             self._core.check_open()
             pool = self._core.pool_of(pool_id)
-            pages = [core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)]
+            pages = core.table.get_many(pool_id, check_ids("page_ids", page_ids))
             unique = list(dict.fromkeys(pages))
             wanted = {p.page_id for p in unique}
-            others = sum(1 for pid in pool.pinned if pid not in wanted)
+            others = len(pool.pinned) - len(pool.pinned & wanted)
             if len(unique) > pool.num_slots - others:
                 return None
             wait = AcquireWait()
@@ -134,17 +126,16 @@ class Residency:
             finally:
                 if counted:
                     core.restore_waiters -= 1
-                for page in unique:
-                    if page.waits:
-                        page.waits = [w for w in page.waits if w is not wait] or None
+                for page in [p for p in unique if p.waits]:
+                    page.waits = tuple(w for w in page.waits or () if w is not wait) or None
                 core.unprotect(wanted)
             for page in unique:
                 page.hits += 1
-                pool.policy.touch(page.page_id)
+            pool.policy.touch_many([p.page_id for p in unique])
             if restored:
                 core.counters.restore_latencies.append(time.monotonic() - start)
                 del core.counters.restore_latencies[:-4096]
-            return [SlotIndex(p.slot) for p in pages]
+            return cast("list[SlotIndex]", [p.slot for p in pages])
 
     def try_acquire(
         self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]
@@ -204,22 +195,21 @@ class Residency:
 
     def _watch(self, pool: Pool, pages: list[Page], wait: AcquireWait) -> None:
         """Pin the resident pages now; register ``wait`` on the others."""
-        per_tier = [0, 0, 0]
         gpu = PageState.GPU
-        for page in pages:
-            per_tier[page.tier] += 1
-            if page.state is gpu:
-                self._pin(pool, page)
-                wait.pinned.append(page)
-            else:
-                if page.waits is None:
-                    page.waits = [wait]
-                else:
-                    page.waits.append(wait)
-                wait.left += 1
+        resident = [p for p in pages if p.state is gpu]
+        for page in resident:
+            page.pins += 1
+        pool.pinned.update([p.page_id for p in resident])
+        wait.pinned += resident
+        if len(resident) < len(pages):
+            alone = (wait,)  # shared by every page no other acquire waits on
+            away = [p for p in pages if p.state is not gpu]
+            for page in away:
+                page.waits = alone if page.waits is None else (*page.waits, wait)
+            wait.left += len(away)
         hits = self._core.counters.hits
-        for tier in Tier:
-            hits[tier] += per_tier[tier]
+        for tier, n in Counter(p.tier for p in pages).items():
+            hits[tier] += n
 
     def _start_up(
         self, pool: Pool, on_cpu: list[Page], on_disk: list[Page], wanted: set[PageId]
@@ -280,18 +270,16 @@ class Residency:
     def release(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
         with self._core.cond:
             pool = self._core.pool_of(pool_id)
-            pages = list(
-                dict.fromkeys(
-                    self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)
-                )
-            )
+            ids = check_ids("page_ids", page_ids)
+            pages = list(dict.fromkeys(self._core.table.get_many(pool_id, ids)))
             bad = [p.page_id for p in pages if p.pins == 0]
             if bad:
                 raise FailedPrecondition(f"page_ids: pages {bad} are not acquired")
             ready = self._record_ready()
             for page in pages:
-                self._unpin(pool, page)
+                page.pins -= 1
                 page.ready = ready
+            pool.pinned.difference_update([p.page_id for p in pages if p.pins == 0])
             self._core.cond.notify_all()
 
     def _record_ready(self) -> object:

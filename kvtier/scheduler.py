@@ -13,6 +13,7 @@ Contract:
     * ``cancel(move)`` removes a queued move (True) or reports it already started (False).
     * ``on_complete(moves, results, seconds)`` is called on the lane thread after every batch,
       including failed ones (all False) and, on ``close``, every move still queued (all False).
+      The scheduler never reads those moves again, so the engine may reuse them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from itertools import groupby
+from operator import attrgetter
 
 from kvtier.errors import Unavailable
 from kvtier.transfer.base import Move, TransferHandler
@@ -29,6 +32,8 @@ from kvtier.types import Direction
 
 log = logging.getLogger(__name__)
 CompleteFn = Callable[[list[Move], list[bool], float], None]
+_KIND = attrgetter("direction", "urgent")
+_SIZE = attrgetter("page_size")
 _LANE_OF = {
     Direction.CPU_TO_GPU: "up",
     Direction.GPU_TO_CPU: "down",
@@ -38,10 +43,13 @@ _LANE_OF = {
 
 
 class _Pending:
-    __slots__ = ("batch", "start", "waiter")
+    __slots__ = ("batch", "direction", "nbytes", "start", "waiter")
 
-    def __init__(self, batch: list[Move], waiter: Callable[[], list[bool]], start: float) -> None:
-        self.batch, self.waiter, self.start = batch, waiter, start
+    def __init__(
+        self, batch: list[Move], waiter: Callable[[], list[bool]], start: float, nbytes: int
+    ) -> None:
+        self.batch, self.waiter, self.start, self.nbytes = batch, waiter, start, nbytes
+        self.direction = batch[0].direction
 
 
 def _failed(n: int) -> Callable[[], list[bool]]:
@@ -70,8 +78,20 @@ class _Lane:
         return min(batch_bytes, queue[0].page_size * len(queue)) if queue else 0
 
     def take(self, batch_bytes: int) -> list[Move]:
+        """The head queue's next moves, up to ``batch_bytes`` (at least one move).
+
+        A queue holds one direction. Pages of one size (the common case) are taken as one slice
+        of the queue; otherwise move by move.
+        """
         queue = self._head()
         assert queue is not None
+        size = queue[0].page_size
+        k = min(len(queue), max(1, batch_bytes // size))
+        if k > 1 and queue[k - 1].page_size == size:
+            batch = [queue.popleft() for _ in range(k)]
+            if len(set(map(_SIZE, batch))) == 1:
+                return batch
+            queue.extendleft(reversed(batch))  # mixed sizes: put them back, take one by one
         batch = [queue.popleft()]
         size = batch[0].page_size
         while queue and queue[0].direction is batch[0].direction:
@@ -115,14 +135,12 @@ class TransferScheduler:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
             runs: list[tuple[deque[Move], list[Move]]] = []
-            key: tuple[Direction, bool] | None = None
-            for move in moves:  # one lookup per run of moves of one kind, not per move
-                if (move.direction, move.urgent) != key:
-                    if move.direction not in self._handlers:
-                        raise Unavailable(f"no handler for {move.direction.name}")
-                    key = (move.direction, move.urgent)
-                    runs.append((self._lanes[_LANE_OF[move.direction]].queue_for(move), []))
-                runs[-1][1].append(move)
+            # One lookup per run of moves of one kind, not per move.
+            for (direction, _), group in groupby(moves, key=_KIND):
+                if direction not in self._handlers:
+                    raise Unavailable(f"no handler for {direction.name}")
+                run = list(group)
+                runs.append((self._lanes[_LANE_OF[direction]].queue_for(run[0]), run))
             for queue, run in runs:  # all checked first: a refused submit queues nothing
                 queue.extend(run)
             self._cond.notify_all()
@@ -153,6 +171,7 @@ class TransferScheduler:
         pending: _Pending | None = None
         while True:
             batch: list[Move] = []
+            nbytes = 0
             with self._cond:
                 while not self._closed and pending is None and not self._ready(lane):
                     self._cond.wait()
@@ -160,8 +179,9 @@ class TransferScheduler:
                     return
                 if not self._closed and self._ready(lane):
                     batch = lane.take(self._batch_bytes)
-                    self._inflight += sum(m.page_size for m in batch)
-            launched = self._launch(batch) if batch else None
+                    nbytes = sum(map(_SIZE, batch))
+                    self._inflight += nbytes
+            launched = self._launch(batch, nbytes) if batch else None
             if pending is not None:
                 self._finish(pending)
             pending = launched
@@ -171,7 +191,7 @@ class TransferScheduler:
         want = lane.peek_bytes(self._batch_bytes)
         return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
 
-    def _launch(self, batch: list[Move]) -> _Pending:
+    def _launch(self, batch: list[Move], nbytes: int) -> _Pending:
         handler = self._handlers[batch[0].direction]
         start = time.perf_counter()
         try:
@@ -181,7 +201,7 @@ class TransferScheduler:
                 "launching a %s batch of %d pages failed", batch[0].direction.name, len(batch)
             )
             waiter = _failed(len(batch))
-        return _Pending(batch, waiter, start)
+        return _Pending(batch, waiter, start, nbytes)
 
     def _finish(self, pending: _Pending) -> None:
         batch = pending.batch
@@ -195,14 +215,16 @@ class TransferScheduler:
         end = time.perf_counter()
         # Busy time only: a batch launched while its predecessor ran starts counting when that
         # one finished, so per-direction seconds never double-count overlapping batches.
-        busy = end - max(pending.start, self._last_end.get(batch[0].direction, 0.0))
-        self._last_end[batch[0].direction] = end
+        direction = pending.direction
+        busy = end - max(pending.start, self._last_end.get(direction, 0.0))
+        self._last_end[direction] = end
+        pending.batch = []  # on_complete owns the moves from here on
         try:
             self._on_complete(batch, results, busy)
         except Exception:  # the engine's completion must never kill a lane
-            log.exception("completing a %s batch failed", batch[0].direction.name)
+            log.exception("completing a %s batch failed", direction.name)
         with self._cond:
-            self._inflight -= sum(m.page_size for m in batch)
+            self._inflight -= pending.nbytes
             self._cond.notify_all()
 
     def close(self, grace: float = 10.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import cast
 
 from kvtier.errors import InvalidArgument
 from kvtier.types import PageId
@@ -41,6 +42,8 @@ def check_ids(field: str, ids: Sequence[int]) -> list[PageId]:
         raise InvalidArgument(field, "must not be empty")
     if len(ids) > MAX_IDS:
         raise InvalidArgument(field, f"at most {MAX_IDS} ids per call, got {len(ids)}")
+    if set(map(type, ids)) == {int} and min(ids) > 0:  # the common case, checked in C
+        return cast("list[PageId]", list(ids))  # PageId is an int at run time
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int) or i <= 0:
             raise InvalidArgument(field, f"ids must be positive integers, got {i!r}")

@@ -107,3 +107,33 @@ def test_cancel_removes_a_queued_move_and_close_fails_the_rest():
     sched.close(2)
     assert queued[0] not in done
     assert {id(m) for m in done} >= {id(m) for m in queued[1:]}
+
+
+def test_completed_moves_belong_to_the_engine():
+    """on_complete may reuse a batch's moves at once: in-flight bytes are counted without them."""
+    done = threading.Event()
+    seen: list[int] = []
+
+    def reuse(moves: list[Move], results: list[bool], seconds: float) -> None:
+        seen.extend(m.src for m in moves)
+        for m in moves:  # as the engine does with spare moves
+            m.page_size, m.direction = 1 << 30, Direction.CPU_TO_DISK
+        if len(seen) == 8:
+            done.set()
+
+    gate = threading.Event()
+    gate.set()
+    handlers = {d: Gated(d, [], gate) for d in Direction}
+    sched = TransferScheduler(
+        handlers, batch_bytes=2 * 4096, max_inflight_bytes=1 << 20, on_complete=reuse
+    )
+    try:
+        sched.submit([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(8)])
+        assert done.wait(10)
+        for _ in range(1000):
+            if sched.inflight_bytes == 0:
+                break
+            threading.Event().wait(0.005)
+        assert sched.inflight_bytes == 0 and sorted(seen) == list(range(8))
+    finally:
+        sched.close(1)

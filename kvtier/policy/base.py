@@ -12,6 +12,11 @@
       ``protected`` (pinned or in flight), in eviction order, and stops tracking them; ``None`` (and
       no change) when fewer than ``n`` are evictable. ``n == 0`` returns ``[]``.
     * ``__len__``: number of tracked pages.
+    * Batch forms, for the engine's per-batch paths: ``insert_many(metas)``,
+      ``remove_many(page_ids)`` and ``touch_many(page_ids)`` leave the policy exactly as the
+      per-page calls in that order would. The defaults loop over the per-page calls, so a policy
+      only overrides them to go faster; ``insert_many`` of a tracked (or repeated) id is the same
+      internal error as ``insert``.
     The engine re-inserts a victim whose move failed. A policy never touches page bytes or slots.
 
 ``AdmissionPolicy`` contract: ``admit(meta, hits) -> bool`` decides whether a page evicted from the
@@ -26,7 +31,7 @@ the known ones.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container
+from collections.abc import Container, Iterable, Sequence
 from typing import ClassVar
 
 from kvtier.types import PageId, PageMeta
@@ -54,6 +59,21 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __len__(self) -> int: ...
+
+    def insert_many(self, metas: Sequence[PageMeta]) -> None:
+        """``insert`` of each, in order."""
+        for meta in metas:
+            self.insert(meta)
+
+    def remove_many(self, page_ids: Iterable[PageId]) -> None:
+        """``remove`` of each, in order."""
+        for page_id in page_ids:
+            self.remove(page_id)
+
+    def touch_many(self, page_ids: Iterable[PageId]) -> None:
+        """``touch`` of each, in order."""
+        for page_id in page_ids:
+            self.touch(page_id)
 
     def __contains__(self, page_id: object) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError

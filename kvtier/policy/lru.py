@@ -2,13 +2,15 @@
 
 ``insert`` and ``touch`` make a page the most recently used; ``evict`` names the least recently
 used unprotected pages, oldest first. Every operation is O(1) apart from ``evict``, which walks
-past protected pages at the cold end (O(n + protected pages skipped)).
+past protected pages at the cold end (O(n + protected pages skipped)). The batch forms run their
+per-page loop in C (``map`` over the ordered dict's own methods).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Container
+from collections import OrderedDict, deque
+from collections.abc import Container, Iterable, Sequence
+from itertools import repeat
 from typing import ClassVar
 
 from kvtier.policy._common import already_tracked, check_n
@@ -40,6 +42,24 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, page_id: PageId) -> None:
         self._order.pop(page_id, None)
 
+    def insert_many(self, metas: Sequence[PageMeta]) -> None:
+        ids = [m.page_id for m in metas]
+        fresh = dict.fromkeys(ids)
+        if len(fresh) != len(ids) or not self._order.keys().isdisjoint(fresh):
+            seen: set[PageId] = set()
+            for pid in ids:  # name the first offender, as per-page inserts would
+                if pid in self._order or pid in seen:
+                    raise already_tracked(pid)
+                seen.add(pid)
+        self._order.update(fresh)
+
+    def remove_many(self, page_ids: Iterable[PageId]) -> None:
+        _consume(map(self._order.pop, page_ids, repeat(None)))
+
+    def touch_many(self, page_ids: Iterable[PageId]) -> None:
+        order = self._order
+        _consume(map(order.move_to_end, [p for p in page_ids if p in order]))
+
     def evict(self, n: int, protected: Container[PageId]) -> list[PageId] | None:
         check_n(n)
         victims: list[PageId] = []
@@ -61,3 +81,8 @@ class LRUPolicy(EvictionPolicy):
 
     def __contains__(self, page_id: object) -> bool:
         return page_id in self._order
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run a lazy ``map`` of calls to the end, keeping nothing."""
+    deque(calls, maxlen=0)

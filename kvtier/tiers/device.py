@@ -30,7 +30,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,6 +39,7 @@ from kvtier.tiers.base import PoolHandle
 from kvtier.types import SlotIndex
 
 _SHM_DIR = "/dev/shm"
+_BULK_FREE = 64  # frees of at least this many slots skip the heap until the next alloc
 _IPC_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("torch", "Tensor"),
@@ -66,7 +67,8 @@ class DevicePool:
         self.device = str(segments[0].device)
         self.shm_path = shm_path
         self.owned = owned
-        self._free = list(range(self.num_slots))  # a heap: lowest slot first
+        self._free = list(range(self.num_slots))  # a heap (lowest slot first) unless _unordered
+        self._unordered = False  # bulk frees append; the next alloc restores the heap once
         self._is_free = bytearray(b"\x01") * self.num_slots
         self._lock = threading.Lock()
         self._closed = False
@@ -118,20 +120,37 @@ class DevicePool:
         if n < 0:
             raise InvalidArgument("n", f"must be >= 0, got {n}")
         with self._lock:
-            if n > len(self._free):
+            free = self._free
+            if n > len(free):
                 return None
-            out = [heapq.heappop(self._free) for _ in range(n)]
+            if n * 8 < len(free):
+                if self._unordered:
+                    heapq.heapify(free)
+                out = [heapq.heappop(free) for _ in range(n)]
+            else:  # a large share of the free slots: one sort beats n heap pops
+                free.sort()
+                out, self._free = free[:n], free[n:]  # a sorted list is a heap
+            self._unordered = False
+            is_free = self._is_free
             for s in out:
-                self._is_free[s] = 0
-            return [SlotIndex(s) for s in out]
+                is_free[s] = 0
+            return cast("list[SlotIndex]", out)
 
     def free(self, slots: Sequence[int]) -> None:
         """Return slots. Freeing a free or out-of-range slot is an internal error (assert)."""
         with self._lock:
+            is_free, n = self._is_free, self.num_slots
             for s in slots:
-                assert 0 <= s < self.num_slots and not self._is_free[s], f"bad free of slot {s}"
-                self._is_free[s] = 1
-                heapq.heappush(self._free, int(s))
+                assert 0 <= s < n and not is_free[s], f"bad free of slot {s}"
+            assert len(set(slots)) == len(slots), f"slot freed twice in {list(slots)}"
+            for s in slots:
+                is_free[s] = 1
+            if self._unordered or len(slots) >= _BULK_FREE:
+                self._free += map(int, slots)  # ordered once, by the next alloc
+                self._unordered = True
+            else:
+                for s in slots:
+                    heapq.heappush(self._free, int(s))
 
     # ---- page copies ---------------------------------------------------------------------
     def gather_rows(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import mmap
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -130,15 +131,15 @@ class HostArena:
             runs = self._plan(slab, n)
             if runs is None:
                 return None
-            out: list[HostSlot] = []
+            out: list[int] = []
             for chunk_no, start, k in runs:
                 if chunk_no < 0:
                     chunk_no = self._new_chunk(slab)
                 slab.free[chunk_no].take(start, k)
                 base = chunk_no * slab.per_chunk
-                out.extend(HostSlot(base + i) for i in range(start, start + k))
+                out.extend(range(base + start, base + start + k))
             slab.used += n
-            return out
+            return cast("list[HostSlot]", out)  # HostSlot is an int at run time
 
     def free(self, page_size: int, slots: Sequence[int]) -> None:
         """Return slots. Freeing a free or unknown slot is an internal error (assert)."""
@@ -177,6 +178,12 @@ class HostArena:
         if not slots:
             return out
         slab = self._slabs[page_size]
+        first, n = int(slots[0]), len(slots)
+        chunk_no, start = divmod(first, slab.per_chunk)
+        if start + n <= slab.per_chunk and list(slots) == list(range(first, first + n)):
+            # The common case (slots allocated as one run): a single view, no per-slot walk.
+            flat = slab.chunks[chunk_no].tensor[start * page_size : (start + n) * page_size]
+            return [(flat.view(n, page_size), list(range(n)))]
         pos = 0
         while pos < len(slots):
             chunk_no, start = divmod(int(slots[pos]), slab.per_chunk)
@@ -344,8 +351,12 @@ def _round_up(n: int, align: int) -> int:
 
 def _group(slots: Sequence[int], per_chunk: int) -> list[tuple[int, int, int]]:
     """Sorted ``(chunk_no, start, count)`` runs of the given slot ids."""
+    ordered = sorted(int(x) for x in slots)
+    first, n = ordered[0], len(ordered)
+    if first % per_chunk + n <= per_chunk and ordered[-1] - first == n - 1:
+        return [(first // per_chunk, first % per_chunk, n)]  # one run (distinct ids assumed)
     out: list[tuple[int, int, int]] = []
-    for s in sorted(int(x) for x in slots):
+    for s in ordered:
         chunk_no, i = divmod(s, per_chunk)
         if out and out[-1][0] == chunk_no and out[-1][1] + out[-1][2] == i:
             out[-1] = (chunk_no, out[-1][1], out[-1][2] + 1)

@@ -18,6 +18,9 @@ from kvtier.types import Direction
 
 def by_pool(moves: list[Move]) -> list[list[int]]:
     """Positions of ``moves`` grouped by their pool, in first-seen order."""
+    first = moves[0].pool if moves else None
+    if first is not None and all(m.pool is first for m in moves):
+        return [list(range(len(moves)))]  # the common case: one pool
     groups: dict[int, list[int]] = defaultdict(list)
     for i, move in enumerate(moves):
         assert move.pool is not None, "GPU<->CPU move without a pool"
@@ -41,7 +44,8 @@ class _HostCopy(TransferHandler):
             host = [moves[i].src if restore else moves[i].dst for i in group]
             idx = torch.tensor(rows, dtype=torch.long)
             for view, positions in self._arena.runs(size, host):
-                self._copy(pool.segments, idx[positions], view)
+                # A run's positions are consecutive: a slice, not a per-position index.
+                self._copy(pool.segments, idx[positions[0] : positions[-1] + 1], view)
         return [True] * len(moves)
 
     def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:

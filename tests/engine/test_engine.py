@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -225,3 +227,98 @@ def test_store_into_a_full_cpu_tier_waits_for_the_disk_cascade(make_engine):
     assert engine.load(pool.pool_id, keys, slots) == 8
     for i, s in enumerate(slots):
         assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == i + 1
+
+
+def test_concurrent_acquires_of_overlapping_pages_pin_each_page_once_per_acquire(make_engine):
+    """Restores past the inline limit are queued, so the second acquire waits on pages the
+    first is already waiting for."""
+    engine = make_engine(disk=False, gpu_memory_gb=16 / 1024, cpu_memory_gb=16 / 1024)
+    pool = engine.attach("t", 3072)
+    ids = [p for p, _ in engine.allocate(pool.pool_id, 2816)]
+    engine.release(pool.pool_id, ids)
+    expected = fill(engine, pool, ids[::64], seed=3)
+    engine.offload(pool.pool_id, ids)
+    assert engine.wait_idle(10)
+    first, second = ids[:2560], ids[256:]  # 2304 pages wanted by both, 10 MiB each
+    results: dict[str, list[int] | None] = {}
+    threads = [
+        threading.Thread(
+            target=lambda k=k, w=w: results.__setitem__(k, engine.acquire(pool.pool_id, w))
+        )
+        for k, w in (("a", first), ("b", second))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results["a"] is not None and results["b"] is not None
+    for pid in ids:
+        info = engine.page_info(pool.pool_id, pid)
+        assert info.state is PageState.GPU
+        assert info.pins == (pid in first) + (pid in second)
+    for pid, slot in zip(first, results["a"], strict=True):
+        if pid in expected:
+            assert torch.equal(pool.segments[0][slot], expected[pid])
+    engine.release(pool.pool_id, first)
+    engine.release(pool.pool_id, second)
+    assert all(engine.page_info(pool.pool_id, p).pins == 0 for p in ids)
+    engine.free(pool.pool_id, ids)
+    assert engine.wait_idle(10)  # pages the watermark was offloading are freed as they land
+    assert engine.stats().tiers[0].used_bytes == 0
+
+
+def test_free_of_pages_in_every_state_at_once(make_engine):
+    """GPU and CPU pages are released in bulk; moving, disk and dropped ones page by page."""
+    engine = make_engine(disk=False, cpu_memory_gb=4 * PAGE / 2**30)
+    pool = engine.attach("t", 2)
+    ids = []
+    for _ in range(5):
+        got = engine.allocate(pool.pool_id, 2)
+        ids += [p for p, _ in got]
+        engine.release(pool.pool_id, [p for p, _ in got])
+    states = {engine.page_info(pool.pool_id, p).state for p in ids}
+    assert PageState.DROPPED in states and PageState.CPU in states, states
+    on_gpu = [p for p in ids if engine.page_info(pool.pool_id, p).state is PageState.GPU]
+    engine.offload(pool.pool_id, on_gpu[:1])  # queued or in flight while it is freed
+    events = engine.subscribe()
+    engine.free(pool.pool_id, ids)
+    assert engine.wait_idle(10)
+    for pid in ids:
+        with pytest.raises(NotFound):
+            engine.page_info(pool.pool_id, pid)
+    stats = engine.stats()
+    assert [t.used_bytes for t in stats.tiers] == [0, 0, 0]
+    freed = set()
+    while (event := events.get(timeout=1)) is not None:
+        if event.kind == "freed":
+            freed.add(event.page_id)
+    assert freed == set(ids)
+    again = engine.allocate(pool.pool_id, 2)  # every GPU slot came back
+    assert again is not None
+
+
+def test_round_trips_reuse_moves_across_pools_page_sizes_and_directions(make_engine):
+    """Finished moves are reused for later ones; every field must be the new move's."""
+    engine = make_engine(disk=False, gpu_memory_gb=4 / 1024, cpu_memory_gb=8 / 1024)
+    small, large = engine.attach("t", 64, PAGE), engine.attach("t", 32, 2 * PAGE)
+    pages = {}
+    for pool in (small, large):
+        ids = [p for p, _ in engine.allocate(pool.pool_id, pool.num_slots)]
+        engine.release(pool.pool_id, ids)
+        for pid in ids:
+            data = torch.full((pool.page_size,), pid % 251, dtype=torch.uint8)
+            engine.write(pool.pool_id, pid, data)
+        pages[pool.pool_id] = (pool, ids)
+    for _ in range(3):
+        for pool, ids in pages.values():
+            engine.offload(pool.pool_id, ids)
+        assert engine.wait_idle(10)
+        for pool, ids in pages.values():
+            assert {engine.page_info(pool.pool_id, p).state for p in ids} == {PageState.CPU}
+            pool.segments[0].zero_()  # restored bytes must come from the CPU tier
+            slots = engine.acquire(pool.pool_id, ids)
+            for pid, slot in zip(ids, slots, strict=True):
+                row = pool.segments[0][slot]
+                assert int(row.min()) == int(row.max()) == pid % 251
+            engine.release(pool.pool_id, ids)
+    assert engine._core.bulk.spares, "finished moves are kept for reuse"

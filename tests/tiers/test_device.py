@@ -39,6 +39,29 @@ def test_alloc_lowest_first_all_or_nothing(pool: DevicePool) -> None:
     assert pool.num_free == 4
 
 
+def test_bulk_alloc_and_free_keep_lowest_first() -> None:
+    with DevicePool.allocate(64, PAGE, "cpu") as big:
+        assert big.alloc(60) == list(range(60))  # most of the free slots at once
+        big.free(slots(*range(10, 50)))  # many at once
+        big.free(slots(3))
+        assert big.alloc(2) == [3, 10]
+        assert big.alloc(40) == [*range(11, 50), 60]
+        assert big.num_free == 3
+        with pytest.raises(AssertionError):
+            big.free(slots(0, 0))  # the same slot twice in one call
+        assert big.alloc(3) == [61, 62, 63]
+    with DevicePool.allocate(256, PAGE, "cpu") as pool:
+        assert pool.alloc(200) == list(range(200))
+        pool.free(slots(*range(199, 99, -1)))  # a bulk free (ordered by the next alloc)
+        pool.free(slots(7))  # after a bulk free: appended too
+        assert pool.num_free == 157
+        assert pool.alloc(3) == [7, 100, 101]  # a few: heap pops after one heapify
+        pool.free(slots(5))  # a single free onto a heap again
+        assert pool.alloc(2) == [5, 102]
+        assert pool.alloc(153) == [*range(103, 200), *range(200, 256)]
+        assert pool.alloc(1) is None
+
+
 def test_double_free_is_an_internal_error(pool: DevicePool) -> None:
     got = pool.alloc(1)
     assert got == [0]

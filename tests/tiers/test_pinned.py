@@ -69,6 +69,18 @@ def test_runs_group_contiguous_slots(arena: HostArena) -> None:
             assert torch.all(view[j] == int(order[p]))
 
 
+def test_one_run_is_one_view_and_frees_in_one_piece(arena: HostArena) -> None:
+    got = arena.alloc(P, 3)
+    assert got is not None and got == [got[0], got[0] + 1, got[0] + 2]
+    ((view, pos),) = arena.runs(P, got)
+    assert view.shape == (3, P) and pos == [0, 1, 2]
+    assert [pos for _, pos in arena.runs(P, got[::-1])] == [[0], [1], [2]]
+    arena.free(P, got[::-1])
+    assert arena.alloc(P, 3) == got
+    with pytest.raises(AssertionError):
+        arena.free(P, [got[0], got[0]])
+
+
 def test_multi_chunk_request_and_oversized_pages() -> None:
     with HostArena(budget_bytes=100 * KIB, chunk_bytes=16 * KIB, pin=False) as arena:
         got = arena.alloc(P, 10)  # spans 3 chunks: 4 + 4 + 2
