@@ -7,6 +7,8 @@ Primitives:
   trailing partial block gets no key (it is recomputed by the engine, never stored).
 - :func:`rekey` — turn hashes an engine already computes (vLLM's block hashes) into keys of the
   same width and namespace, without re-hashing the tokens.
+- :class:`KeyChains` — ``chain_keys`` with memory: a conversation's next turn shares its
+  previous turn's blocks, so only the new blocks are hashed.
 - :func:`namespace` — a short digest of what the bytes of a page depend on besides the
   tokens (model, dtype, KV layout, block size); mixed into the first key so two layouts can
   never share a page.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 KEY_BYTES = 16
@@ -77,3 +80,41 @@ def rekey(hashes: Iterable[bytes | int], *, ns: bytes = b"") -> list[bytes]:
         raw = h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True)
         out.append(_step(ns, raw))
     return out
+
+
+class KeyChains:
+    """``keys(tokens) == chain_keys(tokens, block_size, ns=ns)``, reusing a remembered chain.
+
+    Chains are remembered by their first block's key (the ``capacity`` most recent); a chain whose
+    whole blocks are a prefix of ``tokens`` is reused and extended, anything else is hashed anew.
+    """
+
+    def __init__(self, block_size: int, *, ns: bytes = b"", capacity: int = 64) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size, self.capacity = block_size, capacity
+        self._root = _step(_ROOT, ns)
+        self._chains: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
+
+    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+        bs = self.block_size
+        n = len(tokens) // bs
+        if n == 0:
+            return []
+        head = list(tokens[: n * bs])
+        first = _step(self._root, _ids_bytes(head[:bs]))
+        keys = [first]
+        hit = self._chains.get(first)
+        if hit is not None:
+            m = min(len(hit[1]), n)
+            if hit[0][: m * bs] == head[: m * bs]:
+                keys = hit[1][:m]
+        parent = keys[-1]
+        for b in range(len(keys), n):
+            parent = _step(parent, _ids_bytes(head[b * bs : (b + 1) * bs]))
+            keys.append(parent)
+        self._chains[first] = (head, keys)
+        self._chains.move_to_end(first)
+        while len(self._chains) > self.capacity:
+            self._chains.popitem(last=False)
+        return list(keys)

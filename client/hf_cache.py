@@ -43,7 +43,7 @@ from kvtier.errors import CapacityError
 from kvtier.types import Tier
 
 from ._backend import Backend, Staging, as_backend, round_page
-from ._blocks import chain_keys, namespace
+from ._blocks import KeyChains, namespace
 from ._hf_pool import PoolPages, staged_rows, write_rows
 
 _Take = Callable[[torch.Tensor, int], object]  # (rows [n, raw] uint8, index of the first block)
@@ -130,6 +130,7 @@ class ConversationStore:
         self.device = torch.device(device)
         self.model_config = model_config
         self.ns = namespace("hf", model_id, self.layout)
+        self._chains = KeyChains(block_size, ns=self.ns)
         self.counters = StoreCounters()
         page = round_page(self.layout.raw_bytes)
         self._staging: Staging = self.backend.attach(staging_slots, page)
@@ -256,7 +257,7 @@ class ConversationStore:
 
     def _restorable_keys(self, token_ids: Sequence[int]) -> list[bytes]:
         n = max(0, (len(token_ids) - 1) // self.layout.block_size) * self.layout.block_size
-        return chain_keys(list(token_ids[:n]), self.layout.block_size, ns=self.ns)
+        return self._chains.keys(token_ids[:n])
 
     def _lookup(self, keys: list[bytes]) -> list[Tier]:
         return self.backend.lookup(keys) if keys else []
@@ -321,7 +322,7 @@ class ConversationStore:
     def _save_once(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int]) -> int:
         held = self._held_tokens(cache, token_ids)
         bs = self.layout.block_size
-        keys = chain_keys(list(token_ids[: held // bs * bs]), bs, ns=self.ns)
+        keys = self._chains.keys(token_ids[: held // bs * bs])
         pool = self._pool
         start = len(self._lookup(keys)) if pool is None else pool.known(keys)
         if start == len(keys):

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
-COMPLETE_CHUNK = 1024  # pages finished per engine-lock hold
+COMPLETE_CHUNK = 256  # pages finished per engine-lock hold (a restore arriving waits one)
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
