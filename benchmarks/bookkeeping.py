@@ -35,11 +35,11 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def make_engine(pages: int, page: int, batch_mb: int) -> TierEngine:
+def make_engine(pages: int, page: int, batch_mb: int, device: str = "cpu") -> TierEngine:
     nbytes = pages * page
     return TierEngine(
         OffloadConfig(
-            device="cpu",
+            device=device,
             page_size=page,
             gpu_memory_gb=nbytes / GIB + 0.01,
             cpu_memory_gb=1.2 * nbytes / GIB + 0.01,
@@ -114,9 +114,13 @@ class ThreadProfiles:
         threading.setprofile(self._start)  # threads started from now on (the engine's lanes)
 
     def _start(self, *_: Any) -> None:
+        sys.setprofile(None)  # this hook is only the trigger
         prof = cProfile.Profile()
+        try:
+            prof.enable()
+        except ValueError:  # Python >= 3.12: one profiler per process; the lanes go unprofiled
+            return
         self.profiles.append(prof)
-        prof.enable()  # replaces this hook for the thread
 
     def clear(self) -> None:
         for prof in self.profiles:
@@ -139,11 +143,12 @@ def main() -> None:
     ap.add_argument("--batch-mb", type=int, default=16, help="engine batch size (MiB)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="cProfile top-20 of offload+restore")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: the same calls on a GPU")
     args = ap.parse_args()
     sys.setswitchinterval(0.0005)  # as `kvtier serve` and benchmarks/transfer.py do
     page = args.page_kib << 10
     lanes = ThreadProfiles() if args.profile else None
-    engine = make_engine(args.pages, page, args.batch_mb)
+    engine = make_engine(args.pages, page, args.batch_mb, args.device)
     prof = cProfile.Profile() if args.profile else None
     try:
         pool = engine.attach("bench", args.pages, page)
