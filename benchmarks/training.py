@@ -50,22 +50,24 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+# the benchmark's own modules, beside this file (also when loaded with runpy)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training_model import GPT, Block, GpuMixedAdamW, Runner
+from training_report import GIB, HEADER, Result, bound_of, checks_of, markdown, row
 
 from kvtier.errors import CapacityError
 from kvtier.training import OffloadedOptimizer, get_cpu_offload_context
 from kvtier.training.base import default_arena, get_buffer
 
-Runner = Callable[[int, nn.Module, torch.Tensor], torch.Tensor]
-GIB = 2.0**30
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2048": dict(layers=24, hidden=2048, heads=16, seq=4096, batch=1, vocab=32768,
                     optimizer="gpu", host_gb=None, variants="no_offload,save_on_cpu,kvtier_act,"
@@ -77,84 +79,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 ONE_POINT = re.compile(r"kvtier_act@\d+(~\d+)?")  # one sweep point, e.g. kvtier_act@5~2
 ALL_VARIANTS = ("no_offload", "save_on_cpu", "kvtier_act", "kvtier_act_third", "sweep",
                 "kvtier_opt_cpu", "kvtier_opt_gpu_stream", "search")
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def attn(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        return x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, vocab: int) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.emb = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor, run: Runner | None = None) -> torch.Tensor:
-        x = self.emb(ids)
-        for i, blk in enumerate(self.blocks):
-            x = run(i, blk, x) if run is not None else blk(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, self.vocab).float(), ids.roll(-1, 1).view(-1))
-
-
-class GpuMixedAdamW:
-    """Plain GPU AdamW with fp32 master weights (the no-offload reference)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.work = list(model.parameters())
-        self.master = [p.detach().float() for p in self.work]
-        self.opt = torch.optim.AdamW(self.master, lr=1e-4, fused=torch.cuda.is_available())
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for m, p in zip(self.master, self.work, strict=True):
-            m.grad = p.grad.float() if p.grad is not None else None
-            p.grad = None
-        self.opt.step()
-        for m, p in zip(self.master, self.work, strict=True):
-            m.grad = None
-            p.copy_(m)
-
-    def zero_grad(self) -> None:
-        for p in self.work:
-            p.grad = None
-
-
-@dataclass
-class Result:
-    variant: str
-    layers: int
-    ok: bool
-    groups: int | None = None  # offloaded layer halves (attention, MLP) of 2 x layers
-    inflight: int | None = None  # max_inflight_groups (None: copies never waited for)
-    step_s: float | None = None
-    fwd_s: float | None = None  # device time of the forward (loss included)
-    fwdbwd_s: float | None = None
-    peak_gib: float | None = None
-    act_peak_gib: float | None = None  # peak minus what was allocated before the forward
-    moved_gib: float | None = None  # device->host bytes of one step
-    bound: float | None = None  # B x (T_fwd + 0.1 T_step) / activation bytes, no-offload row
-    note: str = ""
 
 
 def offload_groups(variant: str, layers: int) -> int:
@@ -436,93 +360,6 @@ def link_gbs(arena: Any, nbytes: int = 1 << 30) -> float | None:
         best = min(best, time.perf_counter() - t0)
     arena.put_buffer(dst)
     return nbytes / best / 1e9
-
-
-HEADER = ["| variant | layers | offloaded halves | ok | step s | fwd s | fwd+bwd s | peak GiB | "
-          "activation peak GiB | moved GiB | bound | note |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-
-def row(r: Result) -> str:
-    def f(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
-    groups = "-" if r.groups is None else f"{r.groups}/{2 * r.layers}"
-    if r.inflight:
-        groups += f", copies waited beyond {r.inflight}"
-    return (f"| {r.variant} | {r.layers} | {groups} | {r.ok} | {f(r.step_s)} | {f(r.fwd_s)} | "
-            f"{f(r.fwdbwd_s)} | {f(r.peak_gib)} | {f(r.act_peak_gib)} | {f(r.moved_gib)} | "
-            f"{f(r.bound)} | {r.note} |")
-
-
-def markdown(results: list[Result], checks: dict[str, Any]) -> str:
-    rows = HEADER + [row(r) for r in results]
-    rows += ["", "| check | value |", "|---|---|"]
-    rows += [f"| {k} | {v} |" for k, v in checks.items()]
-    return "\n".join(rows) + "\n"
-
-
-def bound_of(base: Result | None, gbs: float | None) -> float | None:
-    """B x (T_fwd + 0.1 T_step) / activation bytes, all of the no-offload row."""
-    if base is None or not base.ok or not gbs or not base.act_peak_gib or base.fwd_s is None:
-        return None
-    return gbs * 1e9 * (base.fwd_s + 0.1 * (base.step_s or 0)) / (base.act_peak_gib * GIB)
-
-
-def best_within(res: dict[str, Result], base: Result, slack: float = 0.10) -> Result | None:
-    """The activation row with the lowest peak whose step time is within ``slack`` of base."""
-    ok = [r for r in res.values() if r.ok and (r.groups or 0) > 0 and r.step_s is not None
-          and base.step_s and r.step_s <= (1 + slack) * base.step_s]
-    return min(ok, key=lambda r: r.peak_gib or 0.0) if ok else None
-
-
-def _vs(out: dict[str, Any], tag: str, r: Result | None, base: Result) -> None:
-    if r is None or not r.ok or not base.act_peak_gib or not base.step_s or not base.peak_gib:
-        return
-    out[f"{tag}_peak_reduction"] = 1 - (r.peak_gib or 0) / base.peak_gib
-    out[f"{tag}_activation_peak_reduction"] = 1 - (r.act_peak_gib or 0) / base.act_peak_gib
-    out[f"{tag}_step_overhead"] = (r.step_s or 0) / base.step_s - 1
-    if base.fwdbwd_s and r.fwdbwd_s:
-        out[f"{tag}_fwd_bwd_overhead"] = r.fwdbwd_s / base.fwdbwd_s - 1
-
-
-def checks_of(res: dict[str, Result], searched: dict[str, Result], a: argparse.Namespace,
-              gbs: float | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"activation_rows_optimizer": {
-        "gpu": "plain GPU AdamW (fp32 master)", "gpu_stream": "kvtier OffloadedOptimizer "
-        "gpu_stream (states + master on host), no-offload row included",
-        "cpu": "kvtier OffloadedOptimizer cpu step, no-offload row included"}[a.optimizer]}
-    if gbs:
-        out["link_d2h_gbs"] = round(gbs, 1)
-    base, act, soc = res.get("no_offload"), res.get("kvtier_act"), res.get("save_on_cpu")
-    if base is not None and base.ok:
-        share = bound_of(base, gbs)
-        out["bound_hideable_share_of_activations"] = share
-        if share is not None:
-            out["bound_hideable_gib"] = share * (base.act_peak_gib or 0)
-        _vs(out, "act_offload", act, base)
-        _vs(out, "act_third", res.get("kvtier_act_third"), base)
-        best = best_within(res, base)
-        if best is not None:
-            out["best_within_10pct_step"] = best.variant
-            _vs(out, "best_within_10pct", best, base)
-    if act and soc and act.ok and soc.ok and soc.step_s:
-        out["act_offload_vs_save_on_cpu_speedup"] = soc.step_s / (act.step_s or 1)
-        out["act_offload_peak_vs_save_on_cpu"] = (act.peak_gib or 0) / (soc.peak_gib or 1)
-    if searched.get("no_offload") and searched.get("kvtier_act_opt_cpu"):
-        b, k = searched["no_offload"].layers, searched["kvtier_act_opt_cpu"].layers
-        out["largest_layers_ratio"] = k / b if b else None
-    # the targets from the issue, where the numbers above exist
-    if "best_within_10pct_peak_reduction" in out:
-        out["target_ge_40pct_less_peak_at_le_10pct_step"] = (
-            out["best_within_10pct_peak_reduction"] >= 0.40)
-    elif base is not None and base.ok and any((r.groups or 0) > 0 for r in res.values()):
-        out["target_ge_40pct_less_peak_at_le_10pct_step"] = False
-    if "act_offload_vs_save_on_cpu_speedup" in out:
-        out["target_act_faster_than_save_on_cpu"] = out["act_offload_vs_save_on_cpu_speedup"] > 1
-    if out.get("largest_layers_ratio") is not None:
-        out["target_opt_offload_ge_3x_layers"] = out["largest_layers_ratio"] >= 3
-    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
