@@ -109,6 +109,7 @@ class StaticPrefill:
         self.max_graphs = max_graphs
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool: Any = None
+        self.captured = 0  # graphs captured so far (at most max_graphs)
         _register()
 
     def first_token(self, token_ids: list[int], start: int) -> int:
@@ -129,7 +130,7 @@ class StaticPrefill:
                 shape = self._shape(start, n)
                 if shape[0] + start <= self.capacity:
                     self._bucket(*shape, graph=self.graphs)
-        return sum(b.graph is not None for b in self._buckets.values())
+        return self.captured
 
     def _shape(self, start: int, n: int) -> tuple[int, int]:
         """(padded suffix, attended positions) of a prefill of ``n`` tokens after ``start``."""
@@ -147,10 +148,8 @@ class StaticPrefill:
             raise ValueError(f"token_ids: {len(token_ids)} tokens (padded to {start + s}) "
                              f"exceed the capacity of {self.capacity}")
         b = self._bucket(s, kv_len, graph=graph)
-        ids = torch.zeros(1, s, dtype=torch.long)
-        ids[0, :n] = torch.tensor(token_ids[start:], dtype=torch.long)
-        b.ids.copy_(ids)
-        b.pos.copy_(torch.arange(start, start + s))
+        b.ids.copy_(torch.tensor([[*token_ids[start:], *[0] * (s - n)]], dtype=torch.long))
+        torch.arange(start, start + s, out=b.pos)  # in place, on the device
         if graph and b.graph is not None:
             b.graph.replay()
         else:
@@ -163,9 +162,9 @@ class StaticPrefill:
             z = dict(dtype=torch.long, device=self.device)
             b = _Bucket(torch.zeros(1, s, **z), torch.arange(s, **z), torch.zeros(s, **z))
             self._buckets[(s, kv_len)] = b
-        captured = sum(x.graph is not None for x in self._buckets.values())
-        if graph and b.graph is None and captured < self.max_graphs:
+        if graph and b.graph is None and self.captured < self.max_graphs:
             b.graph = self._capture(b, kv_len)
+            self.captured += 1
         return b
 
     def _forward(self, kv: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
@@ -186,17 +185,18 @@ class StaticPrefill:
         return out.logits[0].argmax(-1)
 
     def _capture(self, b: _Bucket, kv_len: int) -> Any:
-        """Warm up on a scratch buffer (never the live ``kv``), then capture on the real one."""
+        """Warm up on a scratch buffer (never the live ``kv``), then capture on the real one.
+
+        The warm-up writes positions at the end of the scratch buffer; what ``pos`` holds at
+        capture does not matter (every call writes it before a replay)."""
         scratch = torch.zeros_like(self.kv[:, :, :, :kv_len])
-        pos = b.pos.clone()
-        b.pos.copy_(torch.arange(kv_len - b.pos.numel(), kv_len, device=self.device))
+        torch.arange(kv_len - b.pos.numel(), kv_len, out=b.pos)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._forward(scratch, b.ids, b.pos, kv_len)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        b.pos.copy_(pos)
         del scratch
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
