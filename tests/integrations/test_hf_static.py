@@ -130,6 +130,9 @@ def test_prefill_rejects_bad_positions(model) -> None:
     with pytest.raises(ValueError, match="capacity"):
         sp.first_token(tokens(70, 1), 0)
     assert sp.first_token(tokens(60, 1), 0) == next_token(model, tokens(60, 1))  # pads to 64
+    for bad in (dict(capacity=0), dict(capacity=64, step=0), dict(capacity=64, kv_step=-1)):
+        with pytest.raises(ValueError, match="must be positive"):
+            StaticPrefill(model, **bad)
 
 
 @pytest.mark.cuda
