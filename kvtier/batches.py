@@ -1,4 +1,4 @@
-"""Per-batch helpers of the engine core: bulk slot frees, chunked submission, grouping."""
+"""Per-batch helpers of the engine core: bulk slot frees and grouping."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtier.transfer.base import Move
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
     from kvtier.pool import Pool
-    from kvtier.scheduler import TransferScheduler
 
 
 K = TypeVar("K", bound=Hashable)
@@ -67,43 +65,6 @@ class Frees:
                 assert core.disk is not None
                 core.disk.free(key, slots)
         self._slots.clear()
-
-
-class Chunks:
-    """Submits prepared moves a batch at a time, so copies start while the rest is prepared.
-
-    Without a scheduler it only collects them in ``moves`` (the caller runs them itself).
-    """
-
-    __slots__ = ("_bytes", "_limit", "_scheduler", "moves", "total")
-
-    def __init__(self, scheduler: TransferScheduler | None, batch_bytes: int) -> None:
-        self._scheduler, self._limit = scheduler, batch_bytes
-        self.moves: list[Move] = []
-        self._bytes = 0
-        self.total = 0
-
-    def add(self, move: Move) -> None:
-        self.moves.append(move)
-        self._bytes += move.page_size
-        if self._scheduler is not None and self._bytes >= self._limit:
-            self.flush()
-
-    def add_many(self, moves: list[Move]) -> None:
-        """``add`` of each; submits once the batch size is reached (not after every move)."""
-        self.moves.extend(moves)
-        self._bytes += sum(m.page_size for m in moves)
-        if self._scheduler is not None and self._bytes >= self._limit:
-            self.flush()
-
-    def flush(self) -> int:
-        if self._scheduler is None:
-            return len(self.moves)
-        if self.moves:
-            self._scheduler.submit(self.moves)
-            self.total += len(self.moves)
-            self.moves, self._bytes = [], 0
-        return self.total
 
 
 def consume(calls: Iterable[object]) -> None:

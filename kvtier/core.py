@@ -4,13 +4,13 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
     * ``offload(pages)`` / ``restore_cpu(pool, pages)`` / ``restore_disk(pages)`` *prepare* moves:
       allocate the destination slot, mark the page moving, take it out of its tier's policy, and
       queue the move. A page that gets no destination slot stays where it was.
-    * ``complete(moves, results)`` finishes them: success frees the source slot and makes the
+    * ``complete(batch, results)`` finishes them: success frees the source slot and makes the
       destination the page's home; failure frees the destination and puts the page back (a failed
       disk read drops the page: its stored bytes are not trustworthy).
     * Room is made by cascades: CPU full -> CPU victims go to disk through the admission rule, or
       are dropped; disk full -> disk victims are dropped. Drops are counted and published.
     * Batches of moves are prepared and finished in bulk by ``kvtier.bulk`` (same steps, a call
-      per batch instead of per page); ``finish`` is the one-move form it falls back to.
+      per batch instead of per page); ``finish_column`` is the one-page form it falls back to.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import threading
 import time
 from collections.abc import Iterable
 from itertools import repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.batches import Chunks, Frees, split_by
+from kvtier.batches import Frees, split_by
 from kvtier.bulk import BulkMoves
 from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
@@ -41,7 +40,7 @@ from kvtier.stats import EngineCounters
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer import build_handlers, build_inline_restore
-from kvtier.transfer.base import Move
+from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PageId, PageState, PoolId, Tier
 
 if TYPE_CHECKING:
@@ -53,7 +52,6 @@ COMPLETE_CHUNK = 256  # pages finished per engine-lock hold (a restore arriving 
 YIELD_CHUNK = 16  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
-_SIZE, _DIRECTION = attrgetter("page_size"), attrgetter("direction")
 _STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 
 
@@ -221,40 +219,10 @@ class EngineCore:
             self.table.remove(page)
         self.events.publish(Event("dropped", page.pool_id, page.page_id, src, None))
 
-    # -- room ------------------------------------------------------------------------------------
     # -- prepare ---------------------------------------------------------------------------------
-    def start(
-        self,
-        page: Page,
-        direction: Direction,
-        dst: int,
-        *,
-        urgent: bool = False,
-        submit: bool = True,
-    ) -> Move:
-        pool = (
-            self.pools[page.pool_id]
-            if page.pool_id is not None and direction in _GPU_SIDE
-            else None
-        )
-        self.unsettle(page)
-        move = Move(
-            direction,
-            page.page_size,
-            page.slot,
-            dst,
-            page=page,
-            pool=pool.dev if pool else None,
-            urgent=urgent,
-            ready=page.ready,
-        )
-        page.move = move
-        page.state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
-        if pool is not None and direction is Direction.GPU_TO_CPU:
-            pool.moving_down += 1
-        if submit:
-            self.scheduler.submit([move])
-        return move
+    def start(self, page: Page, direction: Direction, dst: int) -> None:
+        """Queue one page's move (a cascade's spill to disk)."""
+        self.scheduler.submit(self.bulk.prepare([page], direction, [dst], False))
 
     def start_many(
         self,
@@ -263,23 +231,25 @@ class EngineCore:
         dsts: list[int],
         *,
         urgent: bool,
-        out: Chunks | None = None,
+        out: list[Moves] | None = None,
     ) -> int:
-        """``start`` for a batch of pages of one direction (as many as there are ``dsts``).
+        """``start`` for pages of one direction (as many as there are ``dsts``).
 
-        A batch's worth of pages at a time leaves its policies in one call and is submitted at
-        once, so copies start while the rest is prepared. With ``out`` the moves are collected
-        there instead (the caller runs them).
+        A batch's worth of pages at a time leaves its policies and is submitted at once, so
+        copies start while the rest is prepared. With ``out`` the batches are collected there
+        instead (the caller runs them).
         """
-        if out is None:
-            out = Chunks(self.scheduler, self.config.batch_bytes)
         pages = pages[: len(dsts)]
         if pages:
             step = max(1, self.config.batch_bytes // pages[0].page_size)
             for i in range(0, len(pages), step):
                 chunk = pages[i : i + step], direction, dsts[i : i + step], urgent
-                out.add_many(self.bulk.prepare(*chunk))
-        return out.flush()
+                batches = self.bulk.prepare(*chunk)
+                if out is None:
+                    self.scheduler.submit(batches)
+                else:
+                    out += batches
+        return len(pages)
 
     def offload(self, pages: Iterable[Page], *, urgent: bool = False) -> int:
         """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
@@ -305,16 +275,17 @@ class EngineCore:
         nbytes = len(slots) * pool.page_size
         if not urgent or not slots or nbytes > INLINE_RESTORE_BYTES or self.closed:
             return self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=urgent)
-        batch = Chunks(None, 0)
-        started = self.start_many(pages, Direction.CPU_TO_GPU, list(slots), urgent=True, out=batch)
-        moves = batch.moves
-        begin = time.perf_counter()
-        try:
-            results = self.inline_restore.run(moves)
-        except Exception:
-            log.exception("inline restore of %d pages failed", len(moves))
-            results = [False] * len(moves)
-        self.complete(moves, results, time.perf_counter() - begin)
+        batches: list[Moves] = []
+        up = Direction.CPU_TO_GPU
+        started = self.start_many(pages, up, list(slots), urgent=True, out=batches)
+        for batch in batches:
+            begin = time.perf_counter()
+            try:
+                results = self.inline_restore.run(batch)
+            except Exception:
+                log.exception("inline restore of %d pages failed", len(batch))
+                results = [False] * len(batch)
+            self.complete(batch, results, time.perf_counter() - begin)
         return started
 
     def restore_disk(self, pages: list[Page]) -> int:
@@ -329,84 +300,86 @@ class EngineCore:
         return started
 
     # -- complete --------------------------------------------------------------------------------
-    def complete(self, moves: list[Move], results: list[bool], seconds: float) -> None:
+    def complete(self, batch: Moves, results: list[bool], seconds: float) -> None:
         """Finish a batch, a chunk of pages per lock hold; slots go back to their tiers in bulk.
 
         Restores first, here too: while an acquire waits for a restore, an offload batch is
         finished a few pages at a time and yields between chunks, so the restore's own steps
         (start, completion, pin) never queue behind a whole offload batch.
         """
-        restoring = bool(moves) and moves[0].direction.is_restore
-        start = 0
-        while start < len(moves):
+        restoring = batch.direction.is_restore
+        n, start = len(batch), 0
+        while start < n:
             step = COMPLETE_CHUNK if restoring or not self.restore_waiters else YIELD_CHUNK
             with self.cond:
                 frees = Frees()
-                end = start + step
-                self.bulk.finish(moves[start:end], results[start:end], frees)
+                self.bulk.finish(batch, start, min(n, start + step), results, frees)
                 frees.apply(self)
                 self.cond.notify_all()
             start += step
-            if self.restore_waiters and not restoring and start < len(moves):
+            if self.restore_waiters and not restoring and start < n:
                 time.sleep(YIELD_S)
         with self.cond:
-            self._count(moves, results, seconds)
-            self.bulk.recycle(moves)
+            self._count(batch, results, seconds)
+            if batch.copy:
+                batch.report(results)
             self.cond.notify_all()
 
-    def _count(self, moves: list[Move], results: list[bool], seconds: float) -> None:
-        if not moves:
+    def _count(self, batch: Moves, results: list[bool], seconds: float) -> None:
+        if not len(batch):
             return
-        direction = moves[0].direction
-        if list(map(_DIRECTION, moves)).count(direction) != len(moves):  # close(): leftovers
-            for move, ok in zip(moves, results, strict=True):
-                self._count([move], [ok], 0.0)
-            return
-        c = self.counters.moved[direction]
-        ok_pages = sum(results)
-        if ok_pages == len(moves):  # the common case: one C-level pass
-            ok_bytes = sum(map(_SIZE, moves))
-        else:
-            ok_bytes = sum(m.page_size for m, ok in zip(moves, results, strict=True) if ok)
-        c.bytes += ok_bytes
+        c = self.counters.moved[batch.direction]
+        ok_pages = results.count(True)
+        c.bytes += ok_pages * batch.page_size
         c.pages += ok_pages
-        c.failures += len(moves) - ok_pages
+        c.failures += len(batch) - ok_pages
         c.batches += 1
         c.seconds += seconds
 
-    def finish(self, move: Move, ok: bool, frees: Frees | None = None) -> None:
-        """Complete one move (see the module docstring); ``frees`` collects source slots."""
-        page = move.page
-        if move.copy or page is None:
-            if page is not None and move.direction is Direction.GPU_TO_CPU:  # a stored block
+    def finish_column(self, batch: Moves, i: int, ok: bool, frees: Frees | None = None) -> None:
+        """Complete column ``i`` of a batch (see the module docstring); ``frees`` collects
+        source slots."""
+        page = batch.pages[i] if batch.pages else None
+        if batch.copy or page is None:
+            if page is not None and batch.direction is Direction.GPU_TO_CPU:  # a stored block
                 if ok:
-                    self.settle(page, Tier.CPU, move.dst)
+                    self.settle(page, Tier.CPU, batch.dsts[i])
                 else:
-                    self.host.free(page.page_size, [move.dst])
+                    self.host.free(page.page_size, [batch.dsts[i]])
                     self.table.remove(page)
-            move.result = ok
             return
+        self.finish_page(page, batch.direction, batch.srcs[i], batch.dsts[i], ok, frees)
+
+    def finish_page(
+        self,
+        page: Page,
+        direction: Direction,
+        src_slot: int,
+        dst_slot: int,
+        ok: bool,
+        frees: Frees | None = None,
+    ) -> None:
+        """Complete one page's move from ``src_slot`` to ``dst_slot``."""
         page.move = None
-        src, dst = move.direction._value_
+        src, dst = direction._value_
         pool = self.pools.get(page.pool_id) if page.pool_id is not None else None
-        if pool is not None and move.direction is Direction.GPU_TO_CPU:
+        if pool is not None and direction is Direction.GPU_TO_CPU:
             pool.moving_down -= 1
         if ok:
             if frees is None:
-                self.free_slot(page.page_size, src, move.src, pool)
+                self.free_slot(page.page_size, src, src_slot, pool)
             else:
-                frees.add(src, pool, page.page_size, move.src)
-            self.settle(page, dst, move.dst)
+                frees.add(src, pool, page.page_size, src_slot)
+            self.settle(page, dst, dst_slot)
             if dst is Tier.DISK and page.key is not None and self.disk is not None:
                 record = DiskRecord(key=page.key, tenant=page.tenant)
-                self.disk.set_record(page.page_size, DiskSlot(move.dst), record)
+                self.disk.set_record(page.page_size, DiskSlot(dst_slot), record)
             if self.events.active:
                 self.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
         else:
-            self.free_slot(page.page_size, dst, move.dst, pool)
-            page.tier, page.slot = src, move.src
-            self.settle(page, src, move.src)
-            if move.direction is Direction.DISK_TO_CPU and not self.closed:
+            self.free_slot(page.page_size, dst, dst_slot, pool)
+            self.settle(page, src, src_slot)
+            if direction is Direction.DISK_TO_CPU and not self.closed:
                 self.counters.checksum_failures += 1
                 self.drop(page, "corrupt")
         if page.waits:
@@ -419,21 +392,23 @@ class EngineCore:
 
     def cancel(self, page: Page) -> bool:
         """Take back a queued (not started) move: the page stays where it was."""
-        move = page.move
-        if move is None or not self.scheduler.cancel(move):
+        batch = page.move
+        cols = self.scheduler.cancel(batch, page) if batch is not None else None
+        if batch is None or cols is None:
             return False
-        self.counters.cancelled_offloads += int(not move.direction.is_restore)
-        self.finish(move, False) if move.direction is not Direction.DISK_TO_CPU else self._undo(
-            move
-        )
+        src_slot, dst_slot = cols
+        direction = batch.direction
+        self.counters.cancelled_offloads += int(not direction.is_restore)
+        if direction is Direction.DISK_TO_CPU:
+            self._undo(page, direction, src_slot, dst_slot)
+        else:
+            self.finish_page(page, direction, src_slot, dst_slot, False)
         return True
 
-    def _undo(self, move: Move) -> None:
-        page = move.page
-        assert page is not None
+    def _undo(self, page: Page, direction: Direction, src_slot: int, dst_slot: int) -> None:
         page.move = None
-        self.free_slot(page.page_size, move.direction.dst, move.dst)
-        self.settle(page, move.direction.src, move.src)
+        self.free_slot(page.page_size, direction.dst, dst_slot)
+        self.settle(page, direction.src, src_slot)
         if page.waits:
             self.notify_waits(page)
 

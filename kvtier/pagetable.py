@@ -20,7 +20,7 @@ from kvtier.errors import NotFound
 from kvtier.types import PageId, PageMeta, PageState, PoolId, Tier
 
 if TYPE_CHECKING:
-    from kvtier.transfer.base import Move
+    from kvtier.transfer.base import Moves
 
 
 @dataclass(slots=True, eq=False)
@@ -40,7 +40,7 @@ class Page:
     pins: int = 0
     hits: int = 0
     key: bytes | None = None
-    move: Move | None = None  # the move in flight (state MOVING_*), else None
+    move: Moves | None = None  # the batch it was prepared in (state MOVING_*), else None
     doomed: bool = False  # freed while moving: release everything when the move completes
     ready: Any = None  # CUDA event recorded when the engine last released the page
     # Acquires waiting for this page to reach the GPU. A tuple, replaced and never mutated, so

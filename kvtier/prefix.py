@@ -28,7 +28,7 @@ from kvtier.errors import (
 )
 from kvtier.pagetable import Page
 from kvtier.pool import Pool
-from kvtier.transfer.base import Move
+from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PageState, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
 
@@ -73,8 +73,8 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            moves: list[Move] = []
-            started: list[Move] = []  # submitted early while waiting for room
+            pending = _Copies(pool, Direction.GPU_TO_CPU)
+            started: list[Moves] = []  # submitted early while waiting for room
             stored = 0
             seen: set[bytes] = set()
             for key, slot in zip(keys, slots, strict=True):
@@ -83,7 +83,7 @@ class PrefixStore:
                     stored += 1  # already stored: its bytes are not rewritten
                     continue
                 seen.add(salted)
-                got = self._cpu_slot(pool.page_size, moves, started)
+                got = self._cpu_slot(pool.page_size, pending, started)
                 if not got:
                     break
                 page = Page(
@@ -97,23 +97,12 @@ class PrefixStore:
                     key=salted,
                 )
                 core.table.add(page)
-                moves.append(
-                    Move(
-                        Direction.GPU_TO_CPU,
-                        pool.page_size,
-                        slot,
-                        got[0],
-                        page=page,
-                        pool=pool.dev,
-                        copy=True,
-                    )
-                )
-            core.scheduler.submit(moves)
-            moves = started + moves
-            self._wait(moves)
-            return stored + sum(1 for m in moves if m.result)
+                pending.add(page, slot, got[0])
+            started += pending.submit(core)
+            self._wait(started)
+            return stored + sum(r is True for b in started for r in b.results or ())
 
-    def _cpu_slot(self, page_size: int, pending: list[Move], started: list[Move]) -> list[int]:
+    def _cpu_slot(self, page_size: int, pending: _Copies, started: list[Moves]) -> list[int]:
         """A CPU slot for a stored block, waiting (bounded) while the cascade frees one.
 
         A full CPU tier sends its victims to disk asynchronously: rather than storing fewer
@@ -125,13 +114,11 @@ class PrefixStore:
             got = core.cascade.cpu_slots(page_size, 1)
             if got or time.monotonic() > deadline:
                 return got
-            if pending:  # let the copies prepared so far start, so they can cascade
-                core.scheduler.submit(pending)
-                started.extend(pending)
-                pending.clear()
+            # let the copies prepared so far start, so they can cascade
+            started += pending.submit(core)
             restores, offloads = core.scheduler.depth()
             busy = restores or offloads or core.scheduler.inflight_bytes
-            if not busy and all(m.result is not None for m in started):
+            if not busy and all(_done(b) for b in started):
                 return got  # nothing under way will free a slot
             core.cond.wait(0.01)
 
@@ -174,30 +161,16 @@ class PrefixStore:
     def _copy_in(self, pool: Pool, pages: list[Page], slots: list[int]) -> int:
         """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""
         core = self._core
-        moves = [
-            Move(
-                Direction.CPU_TO_GPU,
-                pool.page_size,
-                p.slot,
-                s,
-                page=p,
-                pool=pool.dev,
-                copy=True,
-                urgent=True,
-            )
-            for p, s in zip(pages, slots, strict=True)
-        ]
-        core.scheduler.submit(moves)
-        self._wait(moves)
+        copies = _Copies(pool, Direction.CPU_TO_GPU)
+        for page, slot in zip(pages, slots, strict=True):
+            copies.add(page, page.slot, slot)
+        batches = copies.submit(core, urgent=True)
+        self._wait(batches)
         for page in pages:
             core.policy_of(page).touch(page.page_id)
             page.hits += 1
-        loaded = 0
-        for move in moves:
-            if not move.result:
-                break
-            loaded += 1
-        return loaded
+        results = [r for b in batches for r in b.results or ()]
+        return results.index(False) if False in results else len(results)
 
     def _resident_prefix(self, pool: Pool, keys: list[bytes]) -> list[Page]:
         """Pages of the longest stored prefix, brought to the CPU tier and returned protected.
@@ -240,9 +213,39 @@ class PrefixStore:
             pages.append(page)
         return pages
 
-    def _wait(self, moves: list[Move]) -> None:
+    def _wait(self, batches: list[Moves]) -> None:
         deadline = time.monotonic() + self._core.config.restore_timeout_s
-        while any(m.result is None for m in moves):
+        while not all(_done(b) for b in batches):
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("copy of stored blocks timed out")
             self._core.cond.wait(0.05)
+
+
+def _done(batch: Moves) -> bool:
+    return batch.results is not None and None not in batch.results
+
+
+class _Copies:
+    """Copy columns of stored blocks, gathered until submitted as one batch."""
+
+    def __init__(self, pool: Pool, direction: Direction) -> None:
+        self.pool, self.direction = pool, direction
+        self.pages: list[Page] = []
+        self.srcs: list[int] = []
+        self.dsts: list[int] = []
+
+    def add(self, page: Page, src: int, dst: int) -> None:
+        self.pages.append(page)
+        self.srcs.append(src)
+        self.dsts.append(dst)
+
+    def submit(self, core: EngineCore, urgent: bool = False) -> list[Moves]:
+        """The gathered copies as one submitted batch (none when empty); starts a new one."""
+        if not self.pages:
+            return []
+        n, pool = len(self.pages), self.pool
+        batch = Moves(self.direction, pool.page_size, self.srcs, self.dsts, self.pages, pool.dev)
+        batch.copy, batch.urgent, batch.results = True, urgent, [None] * n
+        self.pages, self.srcs, self.dsts = [], [], []
+        core.scheduler.submit([batch])
+        return [batch]

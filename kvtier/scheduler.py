@@ -4,16 +4,19 @@ Contract:
     * Three lanes, each one thread and one handler set: ``up`` (CPU->GPU), ``down`` (GPU->CPU) and
       ``disk`` (disk->CPU and CPU->disk). Up and down run at the same time, so both PCIe directions
       are busy at once; the disk lane serves the shared disk.
-    * Every lane keeps a restore queue and an offload queue; a queued restore is always taken before
-      any queued offload. ``urgent`` moves (offloads that free room for a waiting restore) go ahead
-      of the other moves of their kind, first in, first out.
-    * A lane takes one batch at a time: consecutive moves of one direction up to ``batch_bytes``,
-      and launches the next batch before waiting on the previous one (two batches in flight).
-      Bytes in flight across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
-    * ``cancel(move)`` removes a queued move (True) or reports it already started (False).
-    * ``on_complete(moves, results, seconds)`` is called on the lane thread after every batch,
-      including failed ones (all False) and, on ``close``, every move still queued (all False).
-      The scheduler never reads those moves again, so the engine may reuse them.
+    * Work is queued as :class:`~kvtier.transfer.base.Moves` batches. Every lane keeps a restore
+      queue and an offload queue; a queued restore is always taken before any queued offload.
+      ``urgent`` batches (offloads that free room for a waiting restore) go ahead of the other
+      batches of their kind, first in, first out.
+    * A lane takes one batch at a time: up to ``batch_bytes`` from the head of its first non-empty
+      queue (a larger queued batch is split, smaller compatible ones are joined), and launches
+      the next batch before waiting on the previous one (two batches in flight). Bytes in flight
+      across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
+    * ``cancel(batch, page)`` takes ``page``'s column out of a still-queued batch and returns its
+      ``(src, dst)``, or None when the batch was already taken.
+    * ``on_complete(batch, results, seconds)`` is called on the lane thread after every batch,
+      including failed ones (all False) and, on ``close``, every batch still queued (all False).
+      The scheduler never reads a batch again once it was completed.
 """
 
 from __future__ import annotations
@@ -23,17 +26,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from itertools import groupby
-from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvtier.errors import Unavailable
-from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
 
+if TYPE_CHECKING:
+    from kvtier.pagetable import Page
+
 log = logging.getLogger(__name__)
-CompleteFn = Callable[[list[Move], list[bool], float], None]
-_KIND = attrgetter("direction", "urgent")
-_SIZE = attrgetter("page_size")
+CompleteFn = Callable[[Moves, list[bool], float], None]
 _LANE_OF = {
     Direction.CPU_TO_GPU: "up",
     Direction.GPU_TO_CPU: "down",
@@ -45,11 +48,10 @@ _LANE_OF = {
 class _Pending:
     __slots__ = ("batch", "direction", "nbytes", "start", "waiter")
 
-    def __init__(
-        self, batch: list[Move], waiter: Callable[[], list[bool]], start: float, nbytes: int
-    ) -> None:
-        self.batch, self.waiter, self.start, self.nbytes = batch, waiter, start, nbytes
-        self.direction = batch[0].direction
+    def __init__(self, batch: Moves, waiter: Callable[[], list[bool]], start: float) -> None:
+        self.batch, self.waiter, self.start = batch, waiter, start
+        self.nbytes = batch.nbytes
+        self.direction = batch.direction
 
 
 def _failed(n: int) -> Callable[[], list[bool]]:
@@ -57,48 +59,44 @@ def _failed(n: int) -> Callable[[], list[bool]]:
 
 
 class _Lane:
-    """Four FIFO queues, served in order: urgent restores, restores, urgent offloads, offloads."""
+    """Four FIFO queues of batches, served in order: urgent restores, restores, urgent offloads,
+    offloads."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.queues: tuple[deque[Move], ...] = (deque(), deque(), deque(), deque())
+        self.queues: tuple[deque[Moves], ...] = (deque(), deque(), deque(), deque())
         self.thread: threading.Thread | None = None
 
-    def queue_for(self, move: Move) -> deque[Move]:
-        return self.queues[(0 if move.urgent else 1) + (0 if move.direction.is_restore else 2)]
+    def queue_for(self, batch: Moves) -> deque[Moves]:
+        return self.queues[(0 if batch.urgent else 1) + (0 if batch.direction.is_restore else 2)]
 
-    def _head(self) -> deque[Move] | None:
+    def _head(self) -> deque[Moves] | None:
         return next((q for q in self.queues if q), None)
 
     def count(self, restores: bool) -> int:
-        return sum(len(q) for q in (self.queues[:2] if restores else self.queues[2:]))
+        """Queued page moves (columns) of restores or of offloads."""
+        return sum(len(b) for q in (self.queues[:2] if restores else self.queues[2:]) for b in q)
 
     def peek_bytes(self, batch_bytes: int) -> int:
         queue = self._head()
-        return min(batch_bytes, queue[0].page_size * len(queue)) if queue else 0
+        return min(batch_bytes, queue[0].nbytes) if queue else 0
 
-    def take(self, batch_bytes: int) -> list[Move]:
-        """The head queue's next moves, up to ``batch_bytes`` (at least one move).
-
-        A queue holds one direction. Pages of one size (the common case) are taken as one slice
-        of the queue; otherwise move by move.
-        """
+    def take(self, batch_bytes: int) -> Moves:
+        """The head queue's next batch, up to ``batch_bytes`` (at least one column): a larger
+        queued batch is split, and following compatible ones are joined while there is room."""
         queue = self._head()
         assert queue is not None
-        size = queue[0].page_size
-        k = min(len(queue), max(1, batch_bytes // size))
-        if k > 1 and queue[k - 1].page_size == size:
-            batch = [queue.popleft() for _ in range(k)]
-            if len(set(map(_SIZE, batch))) == 1:
-                return batch
-            queue.extendleft(reversed(batch))  # mixed sizes: put them back, take one by one
-        batch = [queue.popleft()]
-        size = batch[0].page_size
-        while queue and queue[0].direction is batch[0].direction:
-            if size + queue[0].page_size > batch_bytes:
+        first = queue[0]
+        k = max(1, batch_bytes // first.page_size)
+        if len(first) > k:
+            return first.take(k)
+        batch = queue.popleft()
+        while queue and len(batch) < k and batch.compatible(queue[0]):
+            room = k - len(batch)
+            if len(queue[0]) > room:
+                batch.join(queue[0].take(room))
                 break
-            size += queue[0].page_size
-            batch.append(queue.popleft())
+            batch.join(queue.popleft())
         return batch
 
 
@@ -129,30 +127,29 @@ class TransferScheduler:
             lane.thread.start()
 
     # -- queueing ---------------------------------------------------------------------------------
-    def submit(self, moves: list[Move]) -> None:
-        """Queue moves (restores and offloads may be mixed)."""
+    def submit(self, batches: list[Moves]) -> None:
+        """Queue batches (restores and offloads may be mixed); empty ones are ignored."""
         with self._cond:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
-            runs: list[tuple[deque[Move], list[Move]]] = []
-            # One lookup per run of moves of one kind, not per move.
-            for (direction, _), group in groupby(moves, key=_KIND):
-                if direction not in self._handlers:
-                    raise Unavailable(f"no handler for {direction.name}")
-                run = list(group)
-                runs.append((self._lanes[_LANE_OF[direction]].queue_for(run[0]), run))
-            for queue, run in runs:  # all checked first: a refused submit queues nothing
-                queue.extend(run)
+            for batch in batches:  # all checked first: a refused submit queues nothing
+                if batch.direction not in self._handlers:
+                    raise Unavailable(f"no handler for {batch.direction.name}")
+            for batch in batches:
+                if batch.srcs:
+                    self._lanes[_LANE_OF[batch.direction]].queue_for(batch).append(batch)
             self._cond.notify_all()
 
-    def cancel(self, move: Move) -> bool:
+    def cancel(self, batch: Moves, page: Page) -> tuple[int, int] | None:
+        """``page``'s ``(src, dst)``, taken out of ``batch`` if it is still queued, else None."""
         with self._cond:
-            queue = self._lanes[_LANE_OF[move.direction]].queue_for(move)
-            try:
-                queue.remove(move)
-            except ValueError:
-                return False
-            return True
+            queue = self._lanes[_LANE_OF[batch.direction]].queue_for(batch)
+            if not any(b is batch for b in queue):
+                return None
+            cols = batch.remove(page)
+            if cols is not None and not batch.srcs:
+                queue.remove(batch)
+            return cols
 
     def depth(self) -> tuple[int, int]:
         """(queued restores, queued offloads)."""
@@ -170,8 +167,7 @@ class TransferScheduler:
         """Launch batch i+1 before waiting on batch i, so Python work hides behind the copies."""
         pending: _Pending | None = None
         while True:
-            batch: list[Move] = []
-            nbytes = 0
+            batch: Moves | None = None
             with self._cond:
                 while not self._closed and pending is None and not self._ready(lane):
                     self._cond.wait()
@@ -179,9 +175,8 @@ class TransferScheduler:
                     return
                 if not self._closed and self._ready(lane):
                     batch = lane.take(self._batch_bytes)
-                    nbytes = sum(map(_SIZE, batch))
-                    self._inflight += nbytes
-            launched = self._launch(batch, nbytes) if batch else None
+                    self._inflight += batch.nbytes
+            launched = self._launch(batch) if batch is not None else None
             if pending is not None:
                 self._finish(pending)
             pending = launched
@@ -191,26 +186,24 @@ class TransferScheduler:
         want = lane.peek_bytes(self._batch_bytes)
         return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
 
-    def _launch(self, batch: list[Move], nbytes: int) -> _Pending:
-        handler = self._handlers[batch[0].direction]
+    def _launch(self, batch: Moves) -> _Pending:
+        handler = self._handlers[batch.direction]
         start = time.perf_counter()
         try:
             waiter = handler.launch(batch)
         except Exception:
             log.exception(
-                "launching a %s batch of %d pages failed", batch[0].direction.name, len(batch)
+                "launching a %s batch of %d pages failed", batch.direction.name, len(batch)
             )
             waiter = _failed(len(batch))
-        return _Pending(batch, waiter, start, nbytes)
+        return _Pending(batch, waiter, start)
 
     def _finish(self, pending: _Pending) -> None:
         batch = pending.batch
         try:
             results = pending.waiter()
         except Exception:
-            log.exception(
-                "transfer batch %s of %d pages failed", batch[0].direction.name, len(batch)
-            )
+            log.exception("transfer batch %s of %d pages failed", batch.direction.name, len(batch))
             results = [False] * len(batch)
         end = time.perf_counter()
         # Busy time only: a batch launched while its predecessor ran starts counting when that
@@ -218,7 +211,6 @@ class TransferScheduler:
         direction = pending.direction
         busy = end - max(pending.start, self._last_end.get(direction, 0.0))
         self._last_end[direction] = end
-        pending.batch = []  # on_complete owns the moves from here on
         try:
             self._on_complete(batch, results, busy)
         except Exception:  # the engine's completion must never kill a lane
@@ -233,7 +225,7 @@ class TransferScheduler:
             if self._closed:
                 return
             self._closed = True
-            leftovers = [m for lane in self._lanes.values() for q in lane.queues for m in q]
+            leftovers = [b for lane in self._lanes.values() for q in lane.queues for b in q]
             for lane in self._lanes.values():
                 for q in lane.queues:
                     q.clear()
@@ -241,7 +233,7 @@ class TransferScheduler:
         for lane in self._lanes.values():
             if lane.thread is not None:
                 lane.thread.join(timeout=grace)
-        if leftovers:
-            self._on_complete(leftovers, [False] * len(leftovers), 0.0)
+        for batch in leftovers:
+            self._on_complete(batch, [False] * len(batch), 0.0)
         for handler in self._handlers.values():
             handler.close()

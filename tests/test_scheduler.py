@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvtier.scheduler import TransferScheduler
-from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
 
 
@@ -15,10 +15,15 @@ class Gated(TransferHandler):
     def __init__(self, direction: Direction, log: list, gate: threading.Event) -> None:
         self.direction, self.log, self.gate = direction, log, gate
 
-    def run(self, moves: list[Move]) -> list[bool]:
+    def run(self, batch: Moves) -> list[bool]:
         self.gate.wait(10)
-        self.log.append((self.direction, [m.src for m in moves]))
-        return [True] * len(moves)
+        self.log.append((self.direction, list(batch.srcs)))
+        return [True] * len(batch)
+
+
+def mv(direction: Direction, srcs: range | list[int], urgent: bool = False, pages=()) -> Moves:
+    """A raw batch copying ``srcs`` to the same slot numbers."""
+    return Moves(direction, 4096, list(srcs), list(srcs), list(pages), urgent=urgent)
 
 
 def wait_taken(sched: TransferScheduler) -> None:
@@ -32,13 +37,13 @@ def wait_taken(sched: TransferScheduler) -> None:
 
 def make(gate: threading.Event, batch_bytes: int = 4096):
     log: list = []
-    done: list[Move] = []
+    done: list[int] = []  # sources of completed columns
     handlers = {d: Gated(d, log, gate) for d in Direction}
     sched = TransferScheduler(
         handlers,
         batch_bytes=batch_bytes,
         max_inflight_bytes=1 << 20,
-        on_complete=lambda ms, rs, s: done.extend(ms),
+        on_complete=lambda b, rs, s: done.extend(b.srcs),
     )
     return sched, log, done
 
@@ -47,10 +52,10 @@ def test_queued_restore_goes_before_queued_offloads_on_the_shared_disk_lane():
     gate = threading.Event()
     sched, log, done = make(gate)
     try:
-        sched.submit([Move(Direction.CPU_TO_DISK, 4096, 0, 0)])  # occupies the lane
+        sched.submit([mv(Direction.CPU_TO_DISK, [0])])  # occupies the lane
         wait_taken(sched)
-        sched.submit([Move(Direction.CPU_TO_DISK, 4096, i, i) for i in range(1, 20)])
-        sched.submit([Move(Direction.DISK_TO_CPU, 4096, 99, 99)])
+        sched.submit([mv(Direction.CPU_TO_DISK, [i]) for i in range(1, 20)])
+        sched.submit([mv(Direction.DISK_TO_CPU, [99])])
         gate.set()
         while len(done) < 21:
             threading.Event().wait(0.01)
@@ -64,11 +69,10 @@ def test_restore_lane_is_not_blocked_by_an_offload_backlog():
     gate = threading.Event()
     sched, _log, done = make(gate)
     try:
-        sched.submit([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(50)])
-        restore = Move(Direction.CPU_TO_GPU, 4096, 7, 7)
+        sched.submit([mv(Direction.GPU_TO_CPU, range(50))])
         gate.set()
-        sched.submit([restore])
-        while restore not in done:
+        sched.submit([mv(Direction.CPU_TO_GPU, [777])])
+        while 777 not in done:
             threading.Event().wait(0.001)
         assert sched.depth()[0] == 0
     finally:
@@ -79,10 +83,10 @@ def test_urgent_offload_jumps_the_offload_queue_and_batches_respect_bytes():
     gate = threading.Event()
     sched, log, done = make(gate, batch_bytes=3 * 4096)
     try:
-        sched.submit([Move(Direction.GPU_TO_CPU, 4096, 0, 0)])
+        sched.submit([mv(Direction.GPU_TO_CPU, [0])])
         wait_taken(sched)
-        sched.submit([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(1, 7)])
-        sched.submit([Move(Direction.GPU_TO_CPU, 4096, 42, 42, urgent=True)])
+        sched.submit([mv(Direction.GPU_TO_CPU, [i]) for i in range(1, 7)])
+        sched.submit([mv(Direction.GPU_TO_CPU, [42], urgent=True)])
         gate.set()
         while len(done) < 8:
             threading.Event().wait(0.01)
@@ -93,31 +97,52 @@ def test_urgent_offload_jumps_the_offload_queue_and_batches_respect_bytes():
         sched.close(1)
 
 
-def test_cancel_removes_a_queued_move_and_close_fails_the_rest():
+def test_cancel_removes_a_queued_column_and_close_fails_the_rest():
     gate = threading.Event()
     sched, _log, done = make(gate)
-    first = Move(Direction.GPU_TO_CPU, 4096, 0, 0)
-    queued = [Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(1, 4)]
-    sched.submit([first])
+    pages = [object() for _ in range(4)]
+    sched.submit([mv(Direction.GPU_TO_CPU, [0])])
     wait_taken(sched)
-    sched.submit(queued)
-    assert sched.cancel(queued[0]) is True
-    assert sched.cancel(queued[0]) is False
+    queued = mv(Direction.GPU_TO_CPU, range(1, 4), pages=pages[1:])
+    sched.submit([queued])
+    assert sched.cancel(queued, pages[1]) == (1, 1)  # type: ignore[arg-type]
+    assert sched.cancel(queued, pages[1]) is None  # type: ignore[arg-type]
+    assert sched.depth() == (0, 2)
     gate.set()
     sched.close(2)
-    assert queued[0] not in done
-    assert {id(m) for m in done} >= {id(m) for m in queued[1:]}
+    assert 1 not in done and {2, 3} <= set(done)
 
 
-def test_completed_moves_belong_to_the_engine():
-    """on_complete may reuse a batch's moves at once: in-flight bytes are counted without them."""
+def test_a_taken_batch_can_no_longer_be_cancelled():
+    gate = threading.Event()
+    sched, _log, done = make(gate, batch_bytes=2 * 4096)
+    pages = [object() for _ in range(4)]
+    batch = mv(Direction.GPU_TO_CPU, range(4), pages=pages)
+    sched.submit([batch])
+    wait_taken_some(sched, 2)
+    assert sched.cancel(batch, pages[0]) is None  # type: ignore[arg-type]  # split off, taken
+    assert sched.cancel(batch, pages[3]) == (3, 3)  # type: ignore[arg-type]  # still queued
+    gate.set()
+    sched.close(2)
+    assert sorted(done) == [0, 1, 2]
+
+
+def wait_taken_some(sched: TransferScheduler, left: int) -> None:
+    for _ in range(1000):
+        if sched.depth()[1] == left:
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("lane never took the first batch")
+
+
+def test_completed_batches_belong_to_the_engine():
+    """on_complete may change a batch at once: in-flight bytes are counted without it."""
     done = threading.Event()
     seen: list[int] = []
 
-    def reuse(moves: list[Move], results: list[bool], seconds: float) -> None:
-        seen.extend(m.src for m in moves)
-        for m in moves:  # as the engine does with spare moves
-            m.page_size, m.direction = 1 << 30, Direction.CPU_TO_DISK
+    def reuse(batch: Moves, results: list[bool], seconds: float) -> None:
+        seen.extend(batch.srcs)
+        batch.page_size, batch.direction = 1 << 30, Direction.CPU_TO_DISK
         if len(seen) == 8:
             done.set()
 
@@ -128,7 +153,7 @@ def test_completed_moves_belong_to_the_engine():
         handlers, batch_bytes=2 * 4096, max_inflight_bytes=1 << 20, on_complete=reuse
     )
     try:
-        sched.submit([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(8)])
+        sched.submit([mv(Direction.GPU_TO_CPU, range(8))])
         assert done.wait(10)
         for _ in range(1000):
             if sched.inflight_bytes == 0:

@@ -168,13 +168,14 @@ class HostArena:
             out.append(slab.chunks[chunk_no].tensor[i * page_size : (i + 1) * page_size])
         return out
 
-    def runs(self, page_size: int, slots: Sequence[int]) -> list[tuple[torch.Tensor, list[int]]]:
+    def runs(self, page_size: int, slots: Sequence[int]) -> list[tuple[torch.Tensor, range]]:
         """Group ``slots`` (in the given order) into contiguous runs.
 
-        Each run is a 2-D view ``[len, page_size]`` plus the positions of its slots in ``slots``.
+        Each run is a 2-D view ``[len, page_size]`` plus the positions of its slots in ``slots``
+        (a ``range``: a run's positions are consecutive).
         Consecutive list entries join a run when their ids are consecutive in one chunk.
         """
-        out: list[tuple[torch.Tensor, list[int]]] = []
+        out: list[tuple[torch.Tensor, range]] = []
         if not slots:
             return out
         slab = self._slabs[page_size]
@@ -183,7 +184,7 @@ class HostArena:
         if start + n <= slab.per_chunk and list(slots) == list(range(first, first + n)):
             # The common case (slots allocated as one run): a single view, no per-slot walk.
             flat = slab.chunks[chunk_no].tensor[start * page_size : (start + n) * page_size]
-            return [(flat.view(n, page_size), list(range(n)))]
+            return [(flat.view(n, page_size), range(n))]
         pos = 0
         while pos < len(slots):
             chunk_no, start = divmod(int(slots[pos]), slab.per_chunk)
@@ -196,7 +197,7 @@ class HostArena:
                 end += 1
             k = end - pos
             flat = slab.chunks[chunk_no].tensor[start * page_size : (start + k) * page_size]
-            out.append((flat.view(k, page_size), list(range(pos, end))))
+            out.append((flat.view(k, page_size), range(pos, end)))
             pos = end
         return out
 

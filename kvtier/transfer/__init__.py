@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
     from kvtier.tiers.pinned import HostArena
 
-__all__ = ["Move", "TransferHandler", "build_handlers", "build_inline_restore"]
+__all__ = ["Moves", "TransferHandler", "build_handlers", "build_inline_restore"]
 
 
 def build_handlers(

@@ -1,22 +1,28 @@
 """Transfers by medium pair.
 
 Contract:
-    * A :class:`Move` copies one page's bytes from a source slot to a destination slot. The engine
-      prepares it (destination slot allocated, page marked moving) and completes it with the
-      handler's result; the handler never touches the page table.
-    * ``TransferHandler.run(moves)`` runs on a scheduler lane thread, copies a whole batch (all
-      moves share the handler's direction) with as few calls as possible (one gather + one DMA per
-      contiguous run, never one call per page on CUDA), waits for completion on its own stream's
-      event (no device-wide synchronize) and returns one bool per move. It must not raise for a
-      single bad page; an exception fails the whole batch.
-    * A source slot is never modified; destination slots other than the moves' are never touched.
+    * A :class:`Moves` batch copies pages of one size in one direction: column ``i`` copies
+      ``srcs[i]`` to ``dsts[i]`` (``pages[i]`` is its page, when the engine made it). GPU<->CPU
+      batches touch one GPU pool. The engine prepares a batch (destination slots allocated,
+      pages marked moving) and completes it with the handler's results, one per column; the
+      handler never touches the page table.
+    * ``TransferHandler.run(batch)`` runs on a scheduler lane thread, copies the whole batch
+      with as few calls as possible (one gather + one DMA per contiguous run, never one call per
+      page on CUDA), waits for completion on its own stream's event (no device-wide synchronize)
+      and returns one bool per column. It must not raise for a single bad page; an exception
+      fails the whole batch.
+    * A source slot is never modified; destination slots other than the batch's are never
+      touched.
+    * ``take(k)`` splits off the first ``k`` columns (the scheduler's batches); ``join`` appends
+      another batch of the same kind. A *copy* batch (store/load of prefix blocks) leaves its
+      pages where they are and reports per-column ``results`` to its caller, also when split.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.types import Direction
@@ -27,23 +33,80 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True, eq=False)
-class Move:
-    """One page's copy between two tiers. ``pool`` is the GPU side's pool (GPU<->CPU moves)."""
+class Moves:
+    """Copies of pages of one size, in one direction, touching at most one GPU pool."""
 
     direction: Direction
     page_size: int
-    src: int
-    dst: int
-    page: Page | None = None
+    srcs: list[int]
+    dsts: list[int]
+    pages: list[Page] = field(default_factory=list)  # empty: raw copies, no pages
     pool: DevicePool | None = None
-    copy: bool = False  # store/load: the source keeps its bytes and the page its state
+    copy: bool = False  # store/load: sources keep their bytes and pages their state
     urgent: bool = False  # serves a waiting restore: goes to the front of its queue
-    ready: Any = None  # CUDA event the copy must wait for (the engine's last write)
-    result: bool | None = None  # copy moves: set on completion, read by the waiting caller
+    ready: list[Any] = field(default_factory=list)  # CUDA events the copies must wait for
+    results: list[bool | None] | None = None  # copy batches: set on completion, read by callers
+    origin: Moves | None = None  # a split copy batch reports its results there ...
+    at: int = 0  # ... from this column on
+
+    def __len__(self) -> int:
+        return len(self.srcs)
 
     @property
     def nbytes(self) -> int:
-        return self.page_size
+        return self.page_size * len(self.srcs)
+
+    def compatible(self, other: Moves) -> bool:
+        """Whether ``other`` may be joined to this batch (copy batches never are)."""
+        return (
+            not self.copy
+            and not other.copy
+            and other.direction is self.direction
+            and other.page_size == self.page_size
+            and other.pool is self.pool
+        )
+
+    def take(self, k: int) -> Moves:
+        """The first ``k`` columns as a new batch; this one keeps the rest."""
+        head = Moves(
+            self.direction,
+            self.page_size,
+            self.srcs[:k],
+            self.dsts[:k],
+            self.pages[:k],
+            self.pool,
+            self.copy,
+            self.urgent,
+            list(self.ready),
+            None,
+            (self.origin or self) if self.copy else None,
+            self.at,
+        )
+        del self.srcs[:k], self.dsts[:k], self.pages[:k]
+        self.at += k
+        return head
+
+    def join(self, other: Moves) -> None:
+        assert self.compatible(other) and bool(self.pages) == bool(other.pages)
+        self.srcs += other.srcs
+        self.dsts += other.dsts
+        self.pages += other.pages
+        self.ready += [e for e in other.ready if all(e is not r for r in self.ready)]
+
+    def remove(self, page: Page) -> tuple[int, int] | None:
+        """Take ``page``'s column out (a cancelled move): its ``(src, dst)``, or None."""
+        for i, p in enumerate(self.pages):
+            if p is page:
+                del self.pages[i]
+                return self.srcs.pop(i), self.dsts.pop(i)
+        return None
+
+    def report(self, results: list[bool]) -> None:
+        """A copy batch's results, written where its caller reads them."""
+        target = self.origin or self
+        if target.results is None:
+            target.results = [None] * (self.at + len(results))
+        target.results[self.at : self.at + len(results)] = results
 
 
 class TransferHandler(ABC):
@@ -52,15 +115,15 @@ class TransferHandler(ABC):
     direction: Direction
 
     @abstractmethod
-    def run(self, moves: list[Move]) -> list[bool]: ...
+    def run(self, batch: Moves) -> list[bool]: ...
 
-    def launch(self, moves: list[Move]) -> Callable[[], list[bool]]:
+    def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         """Start a batch; the returned callable waits for it and gives its results.
 
         Handlers that can overlap batches (CUDA streams, I/O threads) override this; at most two
         batches of one handler are in flight, and they complete in launch order.
         """
-        results = self.run(moves)
+        results = self.run(batch)
         return lambda: results
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -13,9 +13,8 @@ from collections.abc import Callable
 import torch
 
 from kvtier.tiers.pinned import HostArena
-from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.transfer.gather import gather, scatter
-from kvtier.transfer.host import by_pool
 from kvtier.types import Direction
 
 
@@ -42,27 +41,28 @@ class _CudaHandler(TransferHandler):
         host = torch.tensor(values, dtype=torch.long).pin_memory()
         return host.to(self._device, non_blocking=True)
 
-    def run(self, moves: list[Move]) -> list[bool]:
-        return self.launch(moves)()
+    def run(self, batch: Moves) -> list[bool]:
+        return self.launch(batch)()
 
-    def launch(self, moves: list[Move]) -> Callable[[], list[bool]]:
+    def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         self._staging = self._buffers[self._turn]
         self._turn ^= 1
         done = torch.cuda.Event()
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            for event in {id(m.ready): m.ready for m in moves if m.ready is not None}.values():
+            for event in batch.ready:
                 self._stream.wait_event(event)
-            for group in by_pool(moves):
-                self._copy([moves[i] for i in group])
+            if batch.srcs:
+                self._copy(batch)
             done.record(self._stream)
+        n = len(batch)
 
         def wait() -> list[bool]:
             done.synchronize()
-            return [True] * len(moves)
+            return [True] * n
 
         return wait
 
-    def _copy(self, group: list[Move]) -> None:
+    def _copy(self, batch: Moves) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -74,13 +74,13 @@ class CudaOffload(_CudaHandler):
 
     direction = Direction.GPU_TO_CPU
 
-    def _copy(self, group: list[Move]) -> None:
-        pool, size = group[0].pool, group[0].page_size
-        assert pool is not None
-        runs = self._arena.runs(size, [m.dst for m in group])
-        order = [p for _, positions in runs for p in positions]
-        staging = self._buffer(len(group), size)
-        gather(pool.segments, self._index([group[p].src for p in order]), staging)
+    def _copy(self, batch: Moves) -> None:
+        pool, size, srcs = batch.pool, batch.page_size, batch.srcs
+        assert pool is not None, "GPU<->CPU batch without a pool"
+        runs = self._arena.runs(size, batch.dsts)
+        order = srcs if len(runs) == 1 else [srcs[p] for _, pos in runs for p in pos]
+        staging = self._buffer(len(srcs), size)
+        gather(pool.segments, self._index(order), staging)
         start = 0
         for view, positions in runs:
             view.copy_(staging[start : start + len(positions)], non_blocking=True)
@@ -92,13 +92,14 @@ class CudaRestore(_CudaHandler):
 
     direction = Direction.CPU_TO_GPU
 
-    def _copy(self, group: list[Move]) -> None:
-        pool, size = group[0].pool, group[0].page_size
-        assert pool is not None
-        runs = self._arena.runs(size, [m.src for m in group])
-        staging = self._buffer(len(group), size)
-        order: list[int] = []
+    def _copy(self, batch: Moves) -> None:
+        pool, size, dsts = batch.pool, batch.page_size, batch.dsts
+        assert pool is not None, "GPU<->CPU batch without a pool"
+        runs = self._arena.runs(size, batch.srcs)
+        staging = self._buffer(len(dsts), size)
+        at = 0
         for view, positions in runs:
-            staging[len(order) : len(order) + len(positions)].copy_(view, non_blocking=True)
-            order.extend(positions)
-        scatter(pool.segments, self._index([group[p].dst for p in order]), staging)
+            staging[at : at + len(positions)].copy_(view, non_blocking=True)
+            at += len(positions)
+        order = dsts if len(runs) == 1 else [dsts[p] for _, pos in runs for p in pos]
+        scatter(pool.segments, self._index(order), staging)

@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.pinned import HostArena
-from kvtier.transfer.base import Move, TransferHandler
+from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
-
-
-def _by_size(moves: list[Move]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, move in enumerate(moves):
-        groups[move.page_size].append(i)
-    return groups
 
 
 class DiskWrite(TransferHandler):
@@ -25,14 +16,9 @@ class DiskWrite(TransferHandler):
     def __init__(self, arena: HostArena, disk: DiskStore) -> None:
         self._arena, self._disk = arena, disk
 
-    def run(self, moves: list[Move]) -> list[bool]:
-        results = [False] * len(moves)
-        for size, group in _by_size(moves).items():
-            rows = self._arena.rows(size, [moves[i].src for i in group])
-            done = self._disk.write(size, [moves[i].dst for i in group], rows).result()
-            for i, ok in zip(group, done, strict=True):
-                results[i] = ok
-        return results
+    def run(self, batch: Moves) -> list[bool]:
+        rows = self._arena.rows(batch.page_size, batch.srcs)
+        return list(self._disk.write(batch.page_size, batch.dsts, rows).result())
 
 
 class DiskRead(TransferHandler):
@@ -43,11 +29,6 @@ class DiskRead(TransferHandler):
     def __init__(self, arena: HostArena, disk: DiskStore) -> None:
         self._arena, self._disk = arena, disk
 
-    def run(self, moves: list[Move]) -> list[bool]:
-        results = [False] * len(moves)
-        for size, group in _by_size(moves).items():
-            rows = self._arena.rows(size, [moves[i].dst for i in group])
-            done = self._disk.read(size, [moves[i].src for i in group], rows).result()
-            for i, ok in zip(group, done, strict=True):
-                results[i] = ok
-        return results
+    def run(self, batch: Moves) -> list[bool]:
+        rows = self._arena.rows(batch.page_size, batch.dsts)
+        return list(self._disk.read(batch.page_size, batch.srcs, rows).result())

@@ -1,11 +1,13 @@
-"""Per-batch helpers of the engine core: grouping, bulk frees, chunked submission, lane takes."""
+"""Per-batch helpers of the engine core: grouping, batch split/join/cancel, lane takes, counters."""
 
 from __future__ import annotations
 
-from kvtier.batches import Chunks, split_by
+from kvtier.batches import split_by
 from kvtier.scheduler import _Lane
-from kvtier.transfer.base import Move
+from kvtier.transfer.base import Moves
 from kvtier.types import Direction
+
+DOWN = Direction.GPU_TO_CPU
 
 
 def test_split_by_keeps_first_seen_key_order_and_order_within_parts() -> None:
@@ -15,58 +17,69 @@ def test_split_by_keeps_first_seen_key_order_and_order_within_parts() -> None:
     assert parts == [(2, [["a", "c"]]), (1, [["b", "e"]]), (3, [["d"]])]
 
 
-class _Sched:
-    def __init__(self) -> None:
-        self.batches: list[list[int]] = []
-
-    def submit(self, moves: list[Move]) -> None:
-        self.batches.append([m.src for m in moves])
+def _raw(size: int, cols: range, **kw: object) -> Moves:
+    return Moves(DOWN, size, list(cols), [c + 100 for c in cols], **kw)  # type: ignore[arg-type]
 
 
-def test_chunks_add_many_submits_once_the_batch_size_is_reached() -> None:
-    sched = _Sched()
-    chunks = Chunks(sched, 3 * 4096)  # type: ignore[arg-type]
-    chunks.add_many([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(2)])
-    assert sched.batches == []
-    chunks.add_many([Move(Direction.GPU_TO_CPU, 4096, i, i) for i in range(2, 5)])
-    chunks.add(Move(Direction.GPU_TO_CPU, 4096, 5, 5))
-    assert chunks.flush() == 6
-    assert sched.batches == [[0, 1, 2, 3, 4], [5]]
+def test_take_splits_columns_and_join_appends_them() -> None:
+    batch = _raw(4096, range(5))
+    head = batch.take(2)
+    assert (head.srcs, head.dsts) == ([0, 1], [100, 101])
+    assert (batch.srcs, batch.dsts, batch.nbytes) == ([2, 3, 4], [102, 103, 104], 3 * 4096)
+    head.join(batch)
+    assert head.srcs == [0, 1, 2, 3, 4] and len(head) == 5
+    assert not _raw(8192, range(1)).compatible(head)  # another page size
+    assert not _raw(4096, range(1), copy=True).compatible(head)  # copy batches stay whole
+
+
+def test_split_copy_batches_report_results_to_the_original() -> None:
+    batch = _raw(4096, range(5), copy=True)
+    batch.results = [None] * 5
+    head = batch.take(2)
+    middle = batch.take(2)
+    middle.report([True, False])
+    batch.report([True])
+    assert batch.results == [None, None, True, False, True]
+    head.report([True, True])
+    assert batch.results == [True, True, True, False, True]
 
 
 def _queue(lane: _Lane, sizes: list[int]) -> None:
     for i, size in enumerate(sizes):
-        move = Move(Direction.GPU_TO_CPU, size, i, i)
-        lane.queue_for(move).append(move)
+        batch = _raw(size, range(i, i + 1))
+        lane.queue_for(batch).append(batch)
 
 
 def test_take_respects_bytes_for_one_size_and_for_mixed_sizes() -> None:
     lane = _Lane("down")
     _queue(lane, [4096] * 7)
-    assert [m.src for m in lane.take(3 * 4096)] == [0, 1, 2]
-    assert [m.src for m in lane.take(3 * 4096)] == [3, 4, 5]
-    assert [m.src for m in lane.take(3 * 4096)] == [6]
+    assert lane.take(3 * 4096).srcs == [0, 1, 2]
+    assert lane.take(3 * 4096).srcs == [3, 4, 5]
+    assert lane.take(3 * 4096).srcs == [6]
+    big = _raw(4096, range(10, 17))
+    lane.queue_for(big).append(big)
+    assert lane.take(3 * 4096).srcs == [10, 11, 12]  # a large batch is split ...
+    assert lane.count(restores=False) == 4  # ... and the rest stays queued
     mixed = _Lane("down")
     _queue(mixed, [4096, 8192, 4096, 4096, 16384])
-    assert [m.src for m in mixed.take(3 * 4096)] == [0, 1]  # 4 KiB + 8 KiB = the limit
-    assert [m.src for m in mixed.take(3 * 4096)] == [2, 3]  # the 16 KiB one would pass it
-    assert [m.src for m in mixed.take(3 * 4096)] == [4]  # a move larger than a batch goes alone
+    assert mixed.take(3 * 4096).srcs == [0]  # batches of different page sizes are not joined
+    assert mixed.take(3 * 4096).srcs == [1]
+    assert mixed.take(3 * 4096).srcs == [2, 3]
+    assert mixed.take(3 * 4096).srcs == [4]  # a page larger than a batch goes alone
     assert mixed.count(restores=False) == 0
 
 
-def test_batch_counters_count_bytes_of_successes_only_and_mixed_leftovers_per_direction() -> None:
+def test_batch_counters_count_bytes_of_successes_only() -> None:
     from kvtier.core import EngineCore
     from kvtier.stats import EngineCounters
 
     core = EngineCore.__new__(EngineCore)  # only the counters are needed
     core.counters = EngineCounters()
-    down = [Move(Direction.GPU_TO_CPU, 4096 * (i + 1), i, i) for i in range(3)]
+    down = _raw(4096, range(3))
     core._count(down, [True, True, True], 0.5)
     core._count(down, [True, False, True], 0.25)
-    c = core.counters.moved[Direction.GPU_TO_CPU]
-    assert (c.bytes, c.pages, c.failures, c.batches) == (6 * 4096 + 4 * 4096, 5, 1, 2)
+    c = core.counters.moved[DOWN]
+    assert (c.bytes, c.pages, c.failures, c.batches) == (5 * 4096, 5, 1, 2)
     assert c.seconds == 0.75
-    up = Move(Direction.CPU_TO_GPU, 4096, 0, 0)
-    core._count([down[0], up], [False, True], 0.0)  # close(): leftovers of both kinds
-    assert core.counters.moved[Direction.CPU_TO_GPU].pages == 1
-    assert core.counters.moved[Direction.GPU_TO_CPU].failures == 2
+    core._count(Moves(Direction.CPU_TO_GPU, 4096, [0], [0]), [False], 0.0)  # close(): leftovers
+    assert core.counters.moved[Direction.CPU_TO_GPU].failures == 1

@@ -62,7 +62,7 @@ def test_runs_group_contiguous_slots(arena: HostArena) -> None:
         row.fill_(int(s))
     order = [HostSlot(x) for x in (2, 3, 4, 7, 0, 1)]
     runs = arena.runs(P, order)
-    assert [pos for _, pos in runs] == [[0, 1], [2], [3], [4, 5]]  # 3|4 is a chunk boundary
+    assert [list(pos) for _, pos in runs] == [[0, 1], [2], [3], [4, 5]]  # 3|4 is a chunk boundary
     for view, pos in runs:
         assert view.shape == (len(pos), P)
         for j, p in enumerate(pos):
@@ -73,8 +73,8 @@ def test_one_run_is_one_view_and_frees_in_one_piece(arena: HostArena) -> None:
     got = arena.alloc(P, 3)
     assert got is not None and got == [got[0], got[0] + 1, got[0] + 2]
     ((view, pos),) = arena.runs(P, got)
-    assert view.shape == (3, P) and pos == [0, 1, 2]
-    assert [pos for _, pos in arena.runs(P, got[::-1])] == [[0], [1], [2]]
+    assert view.shape == (3, P) and list(pos) == [0, 1, 2]
+    assert [list(pos) for _, pos in arena.runs(P, got[::-1])] == [[0], [1], [2]]
     arena.free(P, got[::-1])
     assert arena.alloc(P, 3) == got
     with pytest.raises(AssertionError):
@@ -233,7 +233,7 @@ def test_chunks_are_registered_and_dma_round_trips() -> None:
         got = arena.alloc(64 * KIB, 4)
         assert got is not None and arena.is_pinned(64 * KIB, got[0])
         (view, pos), *rest = arena.runs(64 * KIB, got)
-        assert not rest and pos == [0, 1, 2, 3] and view.is_pinned()
+        assert not rest and list(pos) == [0, 1, 2, 3] and view.is_pinned()
         view.copy_(torch.arange(view.numel(), dtype=torch.int64).remainder(251).view_as(view))
         dev = view.to("cuda", non_blocking=True)
         back = arena.alloc(64 * KIB, 4)
