@@ -258,8 +258,14 @@ class EngineCore:
             return 0
         queued = 0
         for size, (group,) in split_by([p.page_size for p in todo], todo):
-            slots = self.cascade.cpu_slots(size, len(group))
-            queued += self.start_many(group, Direction.GPU_TO_CPU, slots, urgent=urgent)
+            # CPU slots a batch at a time: the first copies start before the rest is prepared.
+            step = max(1, self.config.batch_bytes // size)
+            for i in range(0, len(group), step):
+                part = group[i : i + step]
+                slots = self.cascade.cpu_slots(size, len(part))
+                queued += self.start_many(part, Direction.GPU_TO_CPU, slots, urgent=urgent)
+                if len(slots) < len(part):
+                    return queued
         return queued
 
     def restore_cpu(self, pool: Pool, pages: list[Page], *, urgent: bool = True) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from kvtier.batches import split_by
 from kvtier.errors import NotFound
 from kvtier.types import PageId, PageMeta, PageState, PoolId, Tier
 
@@ -79,18 +80,22 @@ class AcquireWait:
 
 
 def advance_waits_many(pages: list[Page], pinned: set[PageId]) -> None:
-    """``advance_waits`` of each page (all with waits), the GPU arrivals pinned in one pass."""
+    """``advance_waits`` of each page (all with waits), the GPU arrivals pinned in one pass
+    per distinct set of waiting acquires (usually one: the acquire that restored them)."""
     gpu = PageState.GPU
     landed = [p for p in pages if p.state is gpu]
-    for page in landed:
-        waits = page.waits
-        assert waits is not None
-        page.waits = None
-        page.pins += len(waits)
-        for wait in waits:
-            wait.pinned.append(page)
-            wait.left -= 1
-    pinned.update([p.page_id for p in landed])
+    if landed:
+        keys = [p.waits for p in landed]
+        for waits, (group,) in split_by(keys, landed):
+            assert waits is not None
+            n = len(waits)
+            for page in group:
+                page.waits = None
+                page.pins += n
+            for wait in waits:
+                wait.pinned += group
+                wait.left -= len(group)
+        pinned.update([p.page_id for p in landed])
     if len(landed) < len(pages):
         for page in pages:
             if page.state is not gpu:

@@ -13,16 +13,20 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import cast
 
 import torch
 
+from kvtier.batches import split_by
 from kvtier.core import EngineCore
 from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, PageLost
 from kvtier.pagetable import AcquireWait, Page
 from kvtier.pool import Pool, Protected
 from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_priority
+
+_STATE, _TIER = attrgetter("state"), attrgetter("tier")
 
 
 class Residency:
@@ -96,14 +100,14 @@ class Residency:
             counted = False
             core.protect(wanted)  # neither cascade may push these down meanwhile
             try:
-                self._check_lost(unique)
-                self._watch(pool, unique, wait)
+                by_state = dict(split_by(list(map(_STATE, unique)), unique))
+                self._check_lost(by_state)
+                self._watch(pool, unique, by_state, wait)
                 restored = wait.left > 0
-                on_cpu = [p for p in unique if p.state is PageState.CPU]
-                on_disk = [p for p in unique if p.state is PageState.DISK]
-                for page in unique:
-                    if page.state is PageState.MOVING_DOWN:
-                        core.cancel(page)  # back on the GPU: its wait pins it
+                on_cpu = list(by_state.get(PageState.CPU, [[]])[0])
+                on_disk = list(by_state.get(PageState.DISK, [[]])[0])
+                for page in by_state.get(PageState.MOVING_DOWN, [[]])[0]:
+                    core.cancel(page)  # back on the GPU: its wait pins it
                 if wait.left:
                     core.restore_waiters += 1
                     counted = True
@@ -193,22 +197,28 @@ class Residency:
         finally:
             core.cond.release()
 
-    def _watch(self, pool: Pool, pages: list[Page], wait: AcquireWait) -> None:
+    def _watch(
+        self,
+        pool: Pool,
+        pages: list[Page],
+        by_state: dict[PageState, list[list[Page]]],
+        wait: AcquireWait,
+    ) -> None:
         """Pin the resident pages now; register ``wait`` on the others."""
         gpu = PageState.GPU
-        resident = [p for p in pages if p.state is gpu]
+        resident = by_state.get(gpu, [[]])[0]
         for page in resident:
             page.pins += 1
         pool.pinned.update([p.page_id for p in resident])
         wait.pinned += resident
         if len(resident) < len(pages):
             alone = (wait,)  # shared by every page no other acquire waits on
-            away = [p for p in pages if p.state is not gpu]
+            away = [p for p in pages if p.state is not gpu] if resident else pages
             for page in away:
                 page.waits = alone if page.waits is None else (*page.waits, wait)
             wait.left += len(away)
         hits = self._core.counters.hits
-        for tier, n in Counter(p.tier for p in pages).items():
+        for tier, n in Counter(map(_TIER, pages)).items():
             hits[tier] += n
 
     def _start_up(
@@ -245,8 +255,8 @@ class Residency:
             pool.policy.insert(page.meta())
         self._core.counters.evictions[Tier.GPU] += self._core.offload(pages, urgent=True)
 
-    def _check_lost(self, pages: list[Page]) -> None:
-        lost = [p.page_id for p in pages if p.state is PageState.DROPPED]
+    def _check_lost(self, by_state: dict[PageState, list[list[Page]]]) -> None:
+        lost = [p.page_id for p in by_state.get(PageState.DROPPED, [[]])[0]]
         if lost:
             raise PageLost(f"pages {lost} were dropped and must be recomputed")
 

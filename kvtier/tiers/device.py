@@ -29,7 +29,9 @@ import pickle
 import tempfile
 import threading
 import uuid
+from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, cast
 
 import torch
@@ -138,19 +140,20 @@ class DevicePool:
 
     def free(self, slots: Sequence[int]) -> None:
         """Return slots. Freeing a free or out-of-range slot is an internal error (assert)."""
+        if not slots:
+            return
         with self._lock:
-            is_free, n = self._is_free, self.num_slots
-            for s in slots:
-                assert 0 <= s < n and not is_free[s], f"bad free of slot {s}"
+            is_free = self._is_free
+            assert min(slots) >= 0 and max(slots) < self.num_slots, f"bad free in {list(slots)}"
+            assert not any(map(is_free.__getitem__, slots)), f"free of a free slot in {slots}"
             assert len(set(slots)) == len(slots), f"slot freed twice in {list(slots)}"
-            for s in slots:
-                is_free[s] = 1
+            deque(map(is_free.__setitem__, slots, repeat(1)), maxlen=0)  # in C, no loop
             if self._unordered or len(slots) >= _BULK_FREE:
-                self._free += map(int, slots)  # ordered once, by the next alloc
+                self._free += slots  # ordered once, by the next alloc
                 self._unordered = True
             else:
                 for s in slots:
-                    heapq.heappush(self._free, int(s))
+                    heapq.heappush(self._free, s)
 
     # ---- page copies ---------------------------------------------------------------------
     def gather_rows(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:

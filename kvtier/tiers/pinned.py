@@ -352,7 +352,7 @@ def _round_up(n: int, align: int) -> int:
 
 def _group(slots: Sequence[int], per_chunk: int) -> list[tuple[int, int, int]]:
     """Sorted ``(chunk_no, start, count)`` runs of the given slot ids."""
-    ordered = sorted(int(x) for x in slots)
+    ordered = sorted(slots)
     first, n = ordered[0], len(ordered)
     if first % per_chunk + n <= per_chunk and ordered[-1] - first == n - 1:
         return [(first // per_chunk, first % per_chunk, n)]  # one run (distinct ids assumed)

@@ -8,6 +8,7 @@ one event, so a slot is reused only after its bytes have landed. No device-wide 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,11 @@ class _CudaHandler(TransferHandler):
         self._buffers = [
             torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
+        # Pinned index buffers, one per staging buffer: a batch's slot indices go up from one
+        # that the batch two launches back (completed by then) used.
+        rows = max(1, staging_bytes // 4096)
+        pin = torch.cuda.is_available()
+        self._indices = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self._staging = self._buffers[0]
 
@@ -38,7 +44,12 @@ class _CudaHandler(TransferHandler):
     def _index(self, values: list[int]) -> torch.Tensor:
         # From pinned memory: a pageable source makes the copy synchronous, and the host would
         # wait for the previous batch's DMA on this stream, undoing the double buffering.
-        host = torch.tensor(values, dtype=torch.long).pin_memory()
+        packed = torch.frombuffer(array("q", values), dtype=torch.long)  # one C-level pass
+        pinned = self._indices[self._turn ^ 1]  # this batch's turn (flipped at launch)
+        if len(values) > pinned.numel():
+            return packed.pin_memory().to(self._device, non_blocking=True)
+        host = pinned[: len(values)]
+        host.copy_(packed)
         return host.to(self._device, non_blocking=True)
 
     def run(self, batch: Moves) -> list[bool]:
