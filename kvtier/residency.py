@@ -100,13 +100,14 @@ class Residency:
             counted = False
             core.protect(wanted)  # neither cascade may push these down meanwhile
             try:
-                by_state = dict(split_by(list(map(_STATE, unique)), unique))
+                keys = list(map(_STATE, unique))
+                by_state = {state: group for state, (group,) in split_by(keys, unique)}
                 self._check_lost(by_state)
                 self._watch(pool, unique, by_state, wait)
                 restored = wait.left > 0
-                on_cpu = list(by_state.get(PageState.CPU, [[]])[0])
-                on_disk = list(by_state.get(PageState.DISK, [[]])[0])
-                for page in by_state.get(PageState.MOVING_DOWN, [[]])[0]:
+                on_cpu = list(by_state.get(PageState.CPU, ()))
+                on_disk = list(by_state.get(PageState.DISK, ()))
+                for page in by_state.get(PageState.MOVING_DOWN, ()):
                     core.cancel(page)  # back on the GPU: its wait pins it
                 if wait.left:
                     core.restore_waiters += 1
@@ -201,12 +202,12 @@ class Residency:
         self,
         pool: Pool,
         pages: list[Page],
-        by_state: dict[PageState, list[list[Page]]],
+        by_state: dict[PageState, list[Page]],
         wait: AcquireWait,
     ) -> None:
         """Pin the resident pages now; register ``wait`` on the others."""
         gpu = PageState.GPU
-        resident = by_state.get(gpu, [[]])[0]
+        resident = by_state.get(gpu, [])
         for page in resident:
             page.pins += 1
         pool.pinned.update([p.page_id for p in resident])
@@ -255,8 +256,8 @@ class Residency:
             pool.policy.insert(page.meta())
         self._core.counters.evictions[Tier.GPU] += self._core.offload(pages, urgent=True)
 
-    def _check_lost(self, by_state: dict[PageState, list[list[Page]]]) -> None:
-        lost = [p.page_id for p in by_state.get(PageState.DROPPED, [[]])[0]]
+    def _check_lost(self, by_state: dict[PageState, list[Page]]) -> None:
+        lost = [p.page_id for p in by_state.get(PageState.DROPPED, ())]
         if lost:
             raise PageLost(f"pages {lost} were dropped and must be recomputed")
 

@@ -1,7 +1,7 @@
 """GPU<->CPU handlers on CUDA: one gather kernel + one DMA per contiguous host run, per batch.
 
-Each handler owns two CUDA streams (one for the DMA, one for the offload's gather kernel, so a
-batch's gather runs while its neighbour's DMA does), two device staging buffers of
+Each handler owns a CUDA stream (the offload a second one for its gather kernel, so a batch's
+gather runs while its neighbour's DMA does), two device staging buffers of
 ``staging_bytes`` (the largest batch) and events. A batch first waits (on its streams, not the
 host) for the events the engine recorded when pages were last released, then copies, then
 records its event; the lane thread waits for that one event, so a slot is reused only after its
@@ -26,8 +26,8 @@ class _CudaHandler(TransferHandler):
     def __init__(self, arena: HostArena, device: torch.device, staging_bytes: int) -> None:
         self._arena = arena
         self._device = device
-        self._stream = torch.cuda.Stream(device)  # DMA
-        self._compute = torch.cuda.Stream(device)  # gather / scatter and slot indices
+        self._stream = torch.cuda.Stream(device)
+        self._entry = self._stream  # the stream that first touches the pool's pages
         # Two staging buffers: batch i+1 is launched while batch i's copies still run.
         self._buffers = [
             torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(2)
@@ -41,11 +41,13 @@ class _CudaHandler(TransferHandler):
         self._staging = self._buffers[0]
 
     def _buffer(self, rows: int, size: int) -> torch.Tensor:
+        """Staging for ``rows`` pages; called on the entry stream (a larger batch's own buffer
+        is then also kept from reuse until the DMA stream is done with it)."""
         if rows * size <= self._staging.numel():
             return self._staging[: rows * size].view(rows, size)
         extra = torch.empty((rows, size), dtype=torch.uint8, device=self._device)
-        extra.record_stream(self._stream)  # used on both streams: not reused before they finish
-        extra.record_stream(self._compute)
+        if self._entry is not self._stream:
+            extra.record_stream(self._stream)
         return extra
 
     def _index(self, values: list[int]) -> torch.Tensor:
@@ -66,12 +68,12 @@ class _CudaHandler(TransferHandler):
         self._staging = self._buffers[self._turn]
         self._turn ^= 1
         done = torch.cuda.Event()
-        with torch.cuda.device(self._device):
+        with torch.cuda.device(self._device), torch.cuda.stream(self._entry):
             for event in batch.ready:
-                self._stream.wait_event(event)
-                self._compute.wait_event(event)
-            last = self._copy(batch) if batch.srcs else self._stream
-            done.record(last)
+                self._entry.wait_event(event)
+            if batch.srcs:
+                self._copy(batch)
+            done.record(self._stream)
         n = len(batch)
 
         def wait() -> list[bool]:
@@ -80,13 +82,13 @@ class _CudaHandler(TransferHandler):
 
         return wait
 
-    def _copy(self, batch: Moves) -> torch.cuda.Stream:
-        """Queue the batch's copies; the stream whose completion means they all landed."""
+    def _copy(self, batch: Moves) -> None:
+        """Queue the batch's copies (from the entry stream); they end on ``_stream``."""
         raise NotImplementedError
 
     def close(self) -> None:
+        self._entry.synchronize()
         self._stream.synchronize()
-        self._compute.synchronize()
 
 
 class CudaOffload(_CudaHandler):
@@ -94,23 +96,25 @@ class CudaOffload(_CudaHandler):
 
     direction = Direction.GPU_TO_CPU
 
-    def _copy(self, batch: Moves) -> torch.cuda.Stream:
+    def __init__(self, arena: HostArena, device: torch.device, staging_bytes: int) -> None:
+        super().__init__(arena, device, staging_bytes)
+        self._entry = torch.cuda.Stream(device)  # gathers, beside the DMA stream
+
+    def _copy(self, batch: Moves) -> None:
         pool, size, srcs = batch.pool, batch.page_size, batch.srcs
         assert pool is not None, "GPU<->CPU batch without a pool"
         runs = self._arena.runs(size, batch.dsts)
         order = srcs if len(runs) == 1 else [srcs[p] for _, pos in runs for p in pos]
         staging = self._buffer(len(srcs), size)
+        gather(pool.segments, self._index(order), staging)
         gathered = torch.cuda.Event()
-        with torch.cuda.stream(self._compute):
-            gather(pool.segments, self._index(order), staging)
-            gathered.record(self._compute)
+        gathered.record(self._entry)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(gathered)
             start = 0
             for view, positions in runs:
                 view.copy_(staging[start : start + len(positions)], non_blocking=True)
                 start += len(positions)
-        return self._stream
 
 
 class CudaRestore(_CudaHandler):
@@ -118,17 +122,15 @@ class CudaRestore(_CudaHandler):
 
     direction = Direction.CPU_TO_GPU
 
-    def _copy(self, batch: Moves) -> torch.cuda.Stream:
+    def _copy(self, batch: Moves) -> None:
+        # One stream: measured on the H100, a separate scatter stream slowed 64-256 KiB restores.
         pool, size, dsts = batch.pool, batch.page_size, batch.dsts
         assert pool is not None, "GPU<->CPU batch without a pool"
         runs = self._arena.runs(size, batch.srcs)
         staging = self._buffer(len(dsts), size)
-        # One stream: measured on the H100, a separate scatter stream slowed 64-256 KiB restores.
-        with torch.cuda.stream(self._stream):
-            at = 0
-            for view, positions in runs:
-                staging[at : at + len(positions)].copy_(view, non_blocking=True)
-                at += len(positions)
-            order = dsts if len(runs) == 1 else [dsts[p] for _, pos in runs for p in pos]
-            scatter(pool.segments, self._index(order), staging)
-        return self._stream
+        at = 0
+        for view, positions in runs:
+            staging[at : at + len(positions)].copy_(view, non_blocking=True)
+            at += len(positions)
+        order = dsts if len(runs) == 1 else [dsts[p] for _, pos in runs for p in pos]
+        scatter(pool.segments, self._index(order), staging)
