@@ -7,8 +7,10 @@ table maps pages to slots. Contracts:
     * ``segments``: list of 2-D ``uint8`` tensors ``[num_slots, seg_bytes]`` (row stride may exceed
       ``seg_bytes``); page ``i``'s bytes are the concatenation of row ``i`` of every segment. A
       daemon-allocated pool has one segment; an engine-registered pool (vLLM) has one per layer/KV.
-    * ``alloc(n) -> list[SlotIndex] | None``: all or nothing, lowest free slots first.
-    * ``free(slots)``: returns slots; freeing a free slot is an internal error (assert).
+    * ``take(n) -> int64 array | None``: all or nothing, the ``n`` lowest free slots, sorted.
+    * ``give(slots)``: returns an int64 array of slots; freeing a free, out-of-range or repeated
+      slot is an internal error (assert), detected before anything changes. Both are vectorised.
+    * ``alloc(n) -> list[SlotIndex] | None`` / ``free(slots)``: the same on lists.
     * ``handle() -> PoolHandle``: what another process needs to map the pool (CUDA IPC handle on a
       GPU, a shared-memory file path in CPU mode). ``close()`` releases the memory.
     * On CUDA the memory is one device allocation; without CUDA it is a file in ``/dev/shm`` mapped
@@ -19,11 +21,13 @@ table maps pages to slots. Contracts:
       is present; never torch's power-of-two caching host allocator), created lazily up to
       ``budget_bytes``. One *slab* per page size; a slab's slot id is ``chunk_no * per_chunk + i``.
     * ``alloc(page_size, n) -> list[HostSlot] | None``: all or nothing; prefers contiguous runs in
-      one chunk (so one DMA fills a batch). Never exceeds the budget.
-    * ``free(page_size, slots)``; ``rows(page_size, slots) -> list[Tensor]`` (1-D views);
-      ``runs(page_size, slots) -> list[tuple[Tensor, list[int]]]``: groups slots (in the given
-      order) into contiguous runs, each with a 2-D view ``[len, page_size]`` and the positions of
-      its slots in the input list.
+      one chunk (so one DMA fills a batch). Never exceeds the budget. ``alloc_array`` returns the
+      same slots as an int64 array.
+    * ``free(page_size, slots)`` / ``free_array(page_size, slots)``; ``rows(page_size, slots) ->
+      list[Tensor]`` (1-D views); ``runs(page_size, slots) -> list[tuple[Tensor, range]]``: groups
+      slots (in the given order) into contiguous runs, each with a 2-D view ``[len, page_size]``
+      and the positions of its slots in the input list. ``runs_array(page_size, slots) ->
+      list[tuple[Tensor, lo, hi]]`` does it for an int64 array, without a Python loop per slot.
     * ``used_bytes``/``capacity_bytes`` count slot bytes in use / the budget. ``reserved_bytes``
       counts chunk bytes actually allocated (≤ budget).
 

@@ -7,7 +7,11 @@ Contract (see ``kvtier.tiers.base``):
     * ``DevicePool.from_segments(segments)``: engine-owned memory; each segment a 2-D ``uint8``
       tensor ``[num_slots, seg_bytes]`` with contiguous rows (row stride may exceed ``seg_bytes``).
       Such a pool has no ``handle()``: the engine that registered it already maps it.
-    * ``alloc(n)`` all or nothing, lowest free slots first; ``free(slots)``; ``num_free``.
+    * ``take(n) -> int64 array | None``: all or nothing, the ``n`` lowest free slots, sorted.
+      ``give(slots)`` returns an int64 array of slots (any order); a free, out-of-range or repeated
+      slot is an internal error (assert), detected before anything changes. Both are vectorised
+      (a free mask, a count and a lowest-free hint); ``num_free`` is O(1).
+    * ``alloc(n) -> list | None`` and ``free(slots)``: the same on lists.
     * ``gather_rows(slots) -> [len, page_size]`` and ``scatter_rows(slots, src)`` copy whole pages
       (the concatenation of each segment's row) on the pool's device.
     * ``handle()`` -> ``PoolHandle``; ``open_handle(handle)`` maps it in another process as a
@@ -22,26 +26,25 @@ as the same user on the same GPU. All methods are thread-safe.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import io
 import os
 import pickle
 import tempfile
 import threading
 import uuid
-from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from kvtier.errors import FailedPrecondition, InvalidArgument
 from kvtier.tiers.base import PoolHandle
+from kvtier.tiers.runs import as_slots, ascending
 from kvtier.types import SlotIndex
 
 _SHM_DIR = "/dev/shm"
-_BULK_FREE = 64  # frees of at least this many slots skip the heap until the next alloc
+_MIN_SCAN = 1024  # mask bytes a take scans at least (one cheap numpy pass)
 _IPC_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("torch", "Tensor"),
@@ -69,9 +72,9 @@ class DevicePool:
         self.device = str(segments[0].device)
         self.shm_path = shm_path
         self.owned = owned
-        self._free = list(range(self.num_slots))  # a heap (lowest slot first) unless _unordered
-        self._unordered = False  # bulk frees append; the next alloc restores the heap once
-        self._is_free = bytearray(b"\x01") * self.num_slots
+        self._is_free = np.ones(self.num_slots, dtype=np.bool_)
+        self._num_free = self.num_slots
+        self._hint = 0  # no slot below this is free
         self._lock = threading.Lock()
         self._closed = False
 
@@ -115,45 +118,76 @@ class DevicePool:
     # ---- slots ---------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def alloc(self, n: int) -> list[SlotIndex] | None:
-        """The ``n`` lowest free slots, or ``None`` (nothing changed) if fewer are free."""
+    def take(self, n: int) -> np.ndarray | None:
+        """The ``n`` lowest free slots (sorted ``int64``), or ``None`` (nothing changed)."""
         if n < 0:
             raise InvalidArgument("n", f"must be >= 0, got {n}")
         with self._lock:
-            free = self._free
-            if n > len(free):
+            if n > self._num_free:
                 return None
-            if n * 8 < len(free):
-                if self._unordered:
-                    heapq.heapify(free)
-                out = [heapq.heappop(free) for _ in range(n)]
-            else:  # a large share of the free slots: one sort beats n heap pops
-                free.sort()
-                out, self._free = free[:n], free[n:]  # a sorted list is a heap
-            self._unordered = False
-            is_free = self._is_free
-            for s in out:
-                is_free[s] = 0
-            return cast("list[SlotIndex]", out)
+            if n == 0:
+                return np.empty(0, dtype=np.int64)
+            out = self._lowest_free(n)
+            first, last = int(out[0]), int(out[-1])
+            if last - first == n - 1:
+                self._is_free[first : last + 1] = False
+            else:
+                self._is_free[out] = False
+            self._num_free -= n
+            self._hint = last + 1  # the n lowest free slots are gone: none free below this
+            return out
 
-    def free(self, slots: Sequence[int]) -> None:
-        """Return slots. Freeing a free or out-of-range slot is an internal error (assert)."""
-        if not slots:
+    def give(self, slots: np.ndarray) -> None:
+        """Return ``slots`` (any order, any int dtype).
+
+        Freeing a free, out-of-range or repeated slot is an internal error (assert); nothing is
+        changed then.
+        """
+        if len(slots) == 0:
             return
+        ordered, distinct = ascending(np.asarray(slots, dtype=np.int64))
+        first, last = int(ordered[0]), int(ordered[-1])
+        assert distinct, f"slot freed twice in {ordered.tolist()}"
+        assert first >= 0 and last < self.num_slots, f"bad free in {ordered.tolist()}"
+        # Distinct and sorted: first..last is one slice exactly when it holds every slot.
+        span: slice | np.ndarray = ordered
+        if last - first == len(ordered) - 1:
+            span = slice(first, last + 1)
         with self._lock:
             is_free = self._is_free
-            assert min(slots) >= 0 and max(slots) < self.num_slots, f"bad free in {list(slots)}"
-            assert not any(map(is_free.__getitem__, slots)), f"free of a free slot in {slots}"
-            assert len(set(slots)) == len(slots), f"slot freed twice in {list(slots)}"
-            deque(map(is_free.__setitem__, slots, repeat(1)), maxlen=0)  # in C, no loop
-            if self._unordered or len(slots) >= _BULK_FREE:
-                self._free += slots  # ordered once, by the next alloc
-                self._unordered = True
-            else:
-                for s in slots:
-                    heapq.heappush(self._free, s)
+            assert not is_free[span].any(), f"free of a free slot in {ordered.tolist()}"
+            is_free[span] = True
+            self._num_free += len(ordered)
+            self._hint = min(self._hint, first)
+
+    def alloc(self, n: int) -> list[SlotIndex] | None:
+        """``take`` as a list: the ``n`` lowest free slots, or ``None`` (nothing changed)."""
+        out = self.take(n)
+        return None if out is None else cast("list[SlotIndex]", out.tolist())
+
+    def free(self, slots: Sequence[int]) -> None:
+        """``give`` for a list. Freeing a free or out-of-range slot is an internal error."""
+        if len(slots) != 0:
+            self.give(as_slots(slots))
+
+    def _lowest_free(self, n: int) -> np.ndarray:
+        """The ``n`` lowest free slots; the caller holds the lock and ``n <= num_free``.
+
+        Scans from the hint in windows that double, so a take near the low end costs about
+        ``2 n`` mask bytes, not the whole pool.
+        """
+        parts: list[np.ndarray] = []
+        pos, width, need = self._hint, max(2 * n, _MIN_SCAN), n
+        while need:
+            end = min(self.num_slots, pos + width)
+            found = np.flatnonzero(self._is_free[pos:end])[:need]
+            assert len(found) or end < self.num_slots, "free count out of step with the mask"
+            parts.append(found + pos)
+            need -= len(found)
+            pos, width = end, width * 2
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     # ---- page copies ---------------------------------------------------------------------
     def gather_rows(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
