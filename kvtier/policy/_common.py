@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sized
 
+import numpy as np
+
 from kvtier.types import PageId
 
 
@@ -38,3 +40,21 @@ def enough_evictable(
             if free >= n:
                 return True
     return free >= n
+
+
+def as_rows(rows: object) -> np.ndarray:
+    """``rows`` as a 1-D ``int64`` array (no copy when it already is one)."""
+    arr = np.asarray(rows, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"rows must be a 1-D array, got shape {arr.shape}")
+    return arr
+
+
+def first_offender(rows: Iterable[int], tracked: Container[int]) -> ValueError:
+    """The ``insert`` error for the first row that is tracked or repeated (the slow path)."""
+    seen: set[int] = set()
+    for row in rows:
+        if row in tracked or row in seen:
+            return already_tracked(PageId(row))
+        seen.add(row)
+    raise AssertionError("first_offender called on rows with no offender")

@@ -19,6 +19,27 @@
       internal error as ``insert``.
     The engine re-inserts a victim whose move failed. A policy never touches page bytes or slots.
 
+``RowPolicy`` contract (the engine-side interface; one instance per tier; calls are serialised).
+Every call takes a batch of page-table rows: a 1-D ``int64`` ndarray of distinct non-negative
+ints. Per-row metadata comes as a ``RowMeta`` whose arrays are aligned with ``rows``.
+    * ``insert(rows, meta)``: the rows became tracked, in order (first = oldest / least recent).
+      Inserting a tracked row is an internal error: ``ValueError`` naming the first offender, and
+      nothing changes.
+    * ``remove(rows)``: the rows left the tier other than through ``evict``; untracked rows are
+      ignored.
+    * ``touch(rows)``: the rows were accessed, in order; untracked rows are ignored.
+    * ``update(rows, meta)``: priority / position / length changed; not an access.
+    * ``evict(n, protected, *, partial=False) -> ndarray | None``: names ``n`` unprotected
+      tracked rows in eviction order (``int64``) and stops tracking them. ``protected(rows)``
+      returns a bool mask aligned with ``rows`` (``True`` = may not be evicted); it may be called
+      any number of times on any subsets of the tracked rows. With ``partial=False`` it returns
+      ``None`` (and changes nothing) when fewer than ``n`` rows are evictable; with
+      ``partial=True`` it returns up to ``n`` victims (possibly none), never ``None``.
+      ``n == 0`` returns an empty array; ``n < 0`` raises ``ValueError``.
+    * ``__len__``: number of tracked rows; ``contains(rows)``: bool mask, tracked or not.
+    ``registry.create_row_policy(name)`` returns a policy that is natively a ``RowPolicy`` as is
+    and wraps any other ``EvictionPolicy`` in ``adapter.PerPagePolicy`` (rows become page ids).
+
 ``AdmissionPolicy`` contract: ``admit(meta, hits) -> bool`` decides whether a page evicted from the
 CPU tier is written to disk (``False`` = drop it). ``hits`` counts accesses since the page was
 created.
@@ -31,10 +52,16 @@ the known ones.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from kvtier.types import PageId, PageMeta
+
+# ``protected(rows)``: bool mask aligned with ``rows``, True = may not be evicted.
+RowFilter = Callable[[np.ndarray], np.ndarray]
 
 
 class EvictionPolicy(ABC):
@@ -77,6 +104,42 @@ class EvictionPolicy(ABC):
 
     def __contains__(self, page_id: object) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+@dataclass(slots=True, frozen=True)
+class RowMeta:
+    """Per-row metadata aligned with a rows array."""
+
+    priority: np.ndarray  # float64, > 0; higher = keep longer
+    position: np.ndarray  # int64, index of the page in its sequence
+    length: np.ndarray  # int64, length of the sequence in pages
+
+
+class RowPolicy(ABC):
+    """Tracks page-table rows of one tier in batches and names victims; see the module docstring."""
+
+    @abstractmethod
+    def insert(self, rows: np.ndarray, meta: RowMeta) -> None: ...
+
+    @abstractmethod
+    def remove(self, rows: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def touch(self, rows: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def update(self, rows: np.ndarray, meta: RowMeta) -> None: ...
+
+    @abstractmethod
+    def evict(
+        self, n: int, protected: RowFilter, *, partial: bool = False
+    ) -> np.ndarray | None: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def contains(self, rows: np.ndarray) -> np.ndarray: ...
 
 
 class AdmissionPolicy(ABC):

@@ -10,6 +10,10 @@ The object found must be an ``EvictionPolicy`` subclass; it is instantiated with
 Anything else (unknown name, import failure, wrong type) raises ``ConfigError`` whose message
 names ``KVCACHED_OFFLOAD_POLICY`` and, for unknown names, lists ``known_policies()``.
 Entry points are looked up on every call, never cached, so nothing is read at import time.
+
+``create_row_policy(name)`` is the engine's form: the same lookup, returning the policy itself
+when it is already a ``RowPolicy`` (``lru``) and otherwise wrapping it in
+``adapter.PerPagePolicy`` (its page ids become rows). Unknown names raise as above.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from types import MappingProxyType
 
 from kvtier.config import ENV_PREFIX
 from kvtier.errors import ConfigError
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.adapter import PerPagePolicy
+from kvtier.policy.base import EvictionPolicy, RowPolicy
 
 ENTRY_POINT_GROUP = "kvtier.policies"
 _VAR = f"{ENV_PREFIX}POLICY"
@@ -64,6 +69,12 @@ def create_policy(name: str) -> EvictionPolicy:
     raise ConfigError(
         f"{_VAR}={name!r} is not a known eviction policy; accepted: {accepted} or 'module:Class'"
     )
+
+
+def create_row_policy(name: str) -> RowPolicy:
+    """A fresh ``RowPolicy`` for ``name``: native, or the per-page policy behind the adapter."""
+    policy = create_policy(name)
+    return policy if isinstance(policy, RowPolicy) else PerPagePolicy(policy)
 
 
 def _load_path(path: str) -> object:
