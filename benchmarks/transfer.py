@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument("--batch-mb", type=int, default=64, help="engine batch size (MiB)")
     ap.add_argument("--gc", choices=("default", "freeze"), default="default",
                     help="freeze: gc.freeze() once the page table is built (long-lived pages "
-                         "leave the cyclic collector's full passes), as ENGINE_API.md advises")
+                         "leave the cyclic collector's full passes)")
     args = ap.parse_args()
     # As `kvtier serve` does: restores wait at most ~0.5 ms for the GIL behind lane bookkeeping.
     sys.setswitchinterval(0.0005)

@@ -6,6 +6,8 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -32,38 +34,25 @@ def split_by(keys: list[K], *columns: Sequence[Any]) -> list[tuple[K, list[list[
 
 
 class Frees:
-    """Source slots of a completed batch, returned to their tiers in one call per tier."""
+    """Source slots of completed moves, returned to their tiers in one call per tier."""
 
     __slots__ = ("_slots",)
 
     def __init__(self) -> None:
-        self._slots: dict[tuple[Tier, int], tuple[Pool | None, list[int]]] = {}
+        self._slots: dict[tuple[Tier, int], tuple[Pool | None, list[np.ndarray]]] = {}
 
-    def add(self, tier: Tier, pool: Pool | None, page_size: int, slot: int) -> None:
+    def add(self, tier: Tier, pool: Pool | None, page_size: int, slots: np.ndarray) -> None:
         key = (tier, pool.pool_id if tier is Tier.GPU and pool is not None else page_size)
         entry = self._slots.get(key)
         if entry is None:
-            entry = self._slots[key] = (pool, [])
-        entry[1].append(slot)
-
-    def add_many(self, tier: Tier, pool: Pool | None, page_size: int, slots: list[int]) -> None:
-        key = (tier, pool.pool_id if tier is Tier.GPU and pool is not None else page_size)
-        entry = self._slots.get(key)
-        if entry is None:
-            self._slots[key] = (pool, list(slots))
+            self._slots[key] = (pool, [slots])
         else:
-            entry[1].extend(slots)
+            entry[1].append(slots)
 
     def apply(self, core: EngineCore) -> None:
-        for (tier, key), (pool, slots) in self._slots.items():
-            if tier is Tier.GPU:
-                assert pool is not None
-                pool.dev.free(slots)
-            elif tier is Tier.CPU:
-                core.host.free(key, slots)
-            else:
-                assert core.disk is not None
-                core.disk.free(key, slots)
+        for (tier, key), (pool, parts) in self._slots.items():
+            slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            core.free_slots(tier, key, slots, pool)
         self._slots.clear()
 
 

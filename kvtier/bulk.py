@@ -1,44 +1,36 @@
 """Bulk moves: the engine core's per-batch preparation and completion of page moves.
 
 Contract (everything runs with the engine lock held, like the core it serves):
-    * ``prepare(pages, direction, dsts, urgent)`` is ``EngineCore.start`` for pages of one
-      direction: they leave their tier's policy in one call per pool or page size, are marked
-      moving and get one :class:`Moves` batch per pool (GPU side) or page size (disk side);
-      ``page.move`` is the batch a page was prepared in.
-    * ``finish(batch, lo, hi, results, frees)`` completes columns ``lo:hi`` of a batch like
-      ``EngineCore.finish_column`` of each; when all of them succeeded (the common case) they
-      are settled with one slot free, one ``slot_pages`` update and one policy ``insert_many``,
-      and their waits are advanced together.
-    * ``settle_new`` / ``release_pages``: ``settle`` of newly allocated GPU pages and
-      ``release_page`` of settled GPU/CPU pages, one call per pool, tier and page size.
+    * ``prepare(rows, direction, dsts, urgent)`` turns pages of one direction into
+      :class:`Moves` batches, one per pool (GPU side) or page size (disk side): the pages leave
+      their tier's policy in one call, are marked moving, and the table's ``move`` column names
+      the batch each was prepared in (for ``cancel``).
+    * ``finish(batch, lo, hi, results, frees)`` completes columns ``lo:hi`` of a batch;
+      ``finish_cols`` is the same for explicit columns (a cancelled move). Successes free their
+      source slot (into ``frees``) and settle at the destination; failures free the destination
+      and settle back at the source, a failed disk read is dropped as corrupt. Pages that land on
+      the GPU take their waiting acquires' pins at once; pages freed while moving are released.
+    * Everything is one numpy pass or one policy call per batch; a page costs no Python work
+      unless events are subscribed or pages carry disk records.
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvtier.batches import Frees, consume, split_by
+import numpy as np
+
+from kvtier.batches import Frees
 from kvtier.events import Event
-from kvtier.pagetable import Page, advance_waits_many
+from kvtier.pagetable import S_DOWN, S_UP, by_value
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction, PageState, Tier
+from kvtier.types import Direction, PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
     from kvtier.pool import Pool
 
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
-_STATE_OF = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
-_READY, _POOL_ID, _SIZE = attrgetter("ready"), attrgetter("pool_id"), attrgetter("page_size")
-
-
-def _events(pages: list[Page]) -> list[Any]:
-    """The distinct CUDA events the pages were last released with."""
-    events = set(map(_READY, pages))
-    events.discard(None)
-    return list(events)
 
 
 class BulkMoves:
@@ -47,116 +39,152 @@ class BulkMoves:
     def __init__(self, core: EngineCore) -> None:
         self._core = core
 
-    def settle_new(self, pool: Pool, pages: list[Page]) -> None:
-        """``settle`` of new pages already placed in ``pool``'s slots, in one call."""
-        pool.slot_pages.update(zip([p.slot for p in pages], pages, strict=True))
-        pool.policy.insert_many([p.meta() for p in pages])
-
-    def release_pages(self, pages: list[Page]) -> None:
-        """``release_page`` of settled GPU and CPU pages (not moving), a call per tier, pool
-        and page size rather than per page."""
-        core = self._core
-        keys = [(p.tier, p.pool_id, p.page_size) for p in pages]
-        for (tier, pool_id, size), (group,) in split_by(keys, pages):
-            assert tier is not Tier.DISK and all(p.state is _STATE_OF[tier] for p in group)
-            pool = core.pools.get(pool_id) if pool_id is not None else None
-            ids, slots = [p.page_id for p in group], [p.slot for p in group]
-            if tier is Tier.GPU:
-                assert pool is not None
-                pool.policy.remove_many(ids)
-                consume(map(pool.slot_pages.pop, slots, repeat(None)))
-                pool.dev.free(slots)
-            else:
-                core.tier_policy(tier, size).remove_many(ids)
-                core.host.free(size, slots)
-            if pool is not None:
-                pool.pinned.difference_update(ids)
-            core.table.remove_many(group)
-
     def prepare(
-        self, pages: list[Page], direction: Direction, dsts: list[int], urgent: bool
+        self, rows: np.ndarray, direction: Direction, dsts: np.ndarray, urgent: bool
     ) -> list[Moves]:
-        """The batches moving ``pages`` to ``dsts``: out of their tier's policy, marked moving."""
-        core = self._core
-        state = PageState.MOVING_UP if direction.is_restore else PageState.MOVING_DOWN
+        """The batches moving ``rows`` to ``dsts``: out of their tier's policy, marked moving."""
+        core, t = self._core, self._core.table
         gpu_side = direction in _GPU_SIDE
-        keys = list(map(_POOL_ID if gpu_side else _SIZE, pages))
         out: list[Moves] = []
-        for key, (group, gdsts) in split_by(keys, pages, dsts):
-            ids = [p.page_id for p in group]
-            srcs = [p.slot for p in group]
-            size = group[0].page_size
-            pool = core.pools[key] if gpu_side else None
-            if direction is Direction.GPU_TO_CPU:
-                assert pool is not None
-                pool.policy.remove_many(ids)
-                consume(map(pool.slot_pages.pop, srcs, repeat(None)))
+        for key, pos in by_value(t.pool[rows] if gpu_side else t.size[rows]):
+            whole = len(pos) == len(rows)
+            group, gdsts = (rows, dsts) if whole else (rows[pos], dsts[pos])
+            size = int(t.size[group[0]])
+            pool = core.pools[PoolId(key)] if gpu_side else None
+            core.unsettle(group, direction.src, pool, size)
+            if pool is not None and direction is Direction.GPU_TO_CPU:
                 pool.moving_down += len(group)
-            else:
-                core.tier_policy(direction.src, size).remove_many(ids)
+            events = core.ready.events(t.ready[group]) if gpu_side else []
             batch = Moves(
                 direction,
                 size,
-                srcs,
-                list(gdsts),
-                list(group),
+                t.slot[group],
+                gdsts,
+                group,
                 pool.dev if pool is not None else None,
                 False,
                 urgent,
-                _events(group) if gpu_side else [],
+                events,
             )
-            for page in group:
-                page.move = batch
-                page.state = state
+            t.move[group] = batch
+            t.state[group] = S_UP if direction.is_restore else S_DOWN
             out.append(batch)
         return out
 
     def finish(self, batch: Moves, lo: int, hi: int, results: list[bool], frees: Frees) -> None:
         """Columns ``lo:hi`` of a completed batch; see the module docstring."""
-        core = self._core
-        if batch.copy or not batch.pages or False in results[lo:hi]:
-            for i in range(lo, hi):
-                core.finish_column(batch, i, results[i], frees)
-        elif batch.direction.dst is Tier.DISK:  # disk records are written per page
-            for i in range(lo, hi):
-                core.finish_column(batch, i, True, frees)
-        else:
-            self._settle_moved(batch, lo, hi, frees)
+        rows = batch.rows[lo:hi]
+        if not len(rows):
+            return
+        part = results[lo:hi]
+        ok = None if False not in part else np.array(part, dtype=bool)
+        srcs, dsts = batch.srcs[lo:hi], batch.dsts[lo:hi]
+        if batch.copy:
+            self._finish_store(batch, rows, dsts, ok)
+            return
+        self.finish_cols(batch.direction, rows, srcs, dsts, ok, frees, corrupt=True)
 
-    def _settle_moved(self, batch: Moves, lo: int, hi: int, frees: Frees) -> None:
-        """What ``EngineCore.finish_column`` does for successful columns of a batch (into the
-        GPU or CPU tier), with a call per batch for the slots and policies."""
+    def _finish_store(
+        self, batch: Moves, rows: np.ndarray, dsts: np.ndarray, ok: np.ndarray | None
+    ) -> None:
+        """A copy batch: stored blocks (GPU->CPU) settle in the CPU tier or are forgotten;
+        loads leave their pages as they are."""
         core = self._core
-        src, dst = batch.direction._value_
-        pages, srcs, dsts = batch.pages[lo:hi], batch.srcs[lo:hi], batch.dsts[lo:hi]
-        state = _STATE_OF[dst]
-        for page, slot in zip(pages, dsts, strict=True):
-            page.move = None
-            page.tier, page.slot, page.state = dst, slot, state
-        pool_id = pages[0].pool_id
-        pool = core.pools.get(pool_id) if pool_id is not None and Tier.GPU in (src, dst) else None
-        if src is Tier.GPU:
-            assert pool is not None
-            pool.moving_down -= len(pages)
-        frees.add_many(src, pool, batch.page_size, srcs)
-        metas = [p.meta() for p in pages]
+        if batch.direction is not Direction.GPU_TO_CPU:
+            return
+        good, bad = (rows, rows[:0]) if ok is None else (rows[ok], rows[~ok])
+        if len(good):
+            core.settle(good, Tier.CPU, dsts if ok is None else dsts[ok], None)
+        if len(bad):
+            assert ok is not None
+            core.free_slots(Tier.CPU, batch.page_size, dsts[~ok], None)
+            core.table.remove(bad)
+
+    def finish_cols(
+        self,
+        direction: Direction,
+        rows: np.ndarray,
+        srcs: np.ndarray,
+        dsts: np.ndarray,
+        ok: np.ndarray | None,
+        frees: Frees,
+        *,
+        corrupt: bool,
+    ) -> None:
+        """Complete moves of ``rows`` (one pool or page size); ``ok`` None = all succeeded.
+        ``corrupt``: a failed disk read means bad bytes (drop), not a cancelled one."""
+        core, t = self._core, self._core.table
+        src, dst = direction._value_
+        t.move[rows] = None
+        size = int(t.size[rows[0]])
+        pool_id = int(t.pool[rows[0]])
+        pool = core.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None
+        if pool is not None and src is Tier.GPU:
+            pool.moving_down -= len(rows)
+        if ok is None:
+            self._settled(rows, direction, srcs, dsts, pool, size, frees)
+        else:
+            good = ok.nonzero()[0]
+            bad = (~ok).nonzero()[0]
+            self._settled(rows[good], direction, srcs[good], dsts[good], pool, size, frees)
+            self._failed(rows[bad], direction, srcs[bad], dsts[bad], pool, size, corrupt)
+        doomed = rows[t.doomed[rows]]
+        if len(doomed):
+            frees.apply(core)  # the pages' own slots must be settled before they go
+            self._release_doomed(doomed)
+
+    def _settled(
+        self,
+        rows: np.ndarray,
+        direction: Direction,
+        srcs: np.ndarray,
+        dsts: np.ndarray,
+        pool: Pool | None,
+        size: int,
+        frees: Frees,
+    ) -> None:
+        if not len(rows):
+            return
+        core = self._core
+        src, dst = direction._value_
+        frees.add(src, pool, size, srcs)
+        core.settle(rows, dst, dsts, pool)
+        if dst is Tier.DISK:
+            core.set_disk_records(rows, size)
         if dst is Tier.GPU:
             assert pool is not None
-            pool.slot_pages.update(zip(dsts, pages, strict=True))
-            pool.policy.insert_many(metas)
-        else:
-            core.tier_policy(dst, batch.page_size).insert_many(metas)
+            core.land(pool, rows)
         if core.events.active:
-            for page in pages:
-                core.events.publish(Event("moved", page.pool_id, page.page_id, src, dst))
-        waiting = [p for p in pages if p.waits]
-        if waiting:
-            for pool_id, (group,) in split_by([p.pool_id for p in waiting], waiting):
-                owner = core.pools.get(pool_id) if pool_id is not None else None
-                advance_waits_many(group, owner.pinned if owner is not None else set())
-        doomed = [p for p in pages if p.doomed]
-        if doomed:
-            frees.apply(core)  # the pages' own slots must be settled before they go
-            for page in doomed:
-                core.release_page(page)
-                core.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
+            t = core.table
+            for page_id, pool_id in zip(t.ids(rows).tolist(), t.pool[rows].tolist(), strict=True):
+                core.events.publish(Event("moved", pool_id or None, page_id, src, dst))
+
+    def _failed(
+        self,
+        rows: np.ndarray,
+        direction: Direction,
+        srcs: np.ndarray,
+        dsts: np.ndarray,
+        pool: Pool | None,
+        size: int,
+        corrupt: bool,
+    ) -> None:
+        if not len(rows):
+            return
+        core = self._core
+        src, dst = direction._value_
+        core.free_slots(dst, size, dsts, pool)
+        core.settle(rows, src, srcs, pool)
+        if src is Tier.GPU:
+            assert pool is not None
+            core.land(pool, rows)
+        if direction is Direction.DISK_TO_CPU and corrupt and not core.closed:
+            core.counters.checksum_failures += len(rows)
+            core.drop(rows, "corrupt")
+
+    def _release_doomed(self, rows: np.ndarray) -> None:
+        core, t = self._core, self._core.table
+        ids, pools = t.ids(rows).tolist(), t.pool[rows].tolist()
+        core.release(rows)
+        for page_id, pool_id in zip(ids, pools, strict=True):
+            core.events.publish(Event("freed", pool_id or None, page_id, None, None))

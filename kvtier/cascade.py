@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.pagetable import Page
-from kvtier.types import Direction, Tier
+import numpy as np
+
+from kvtier.pagetable import EMPTY
+from kvtier.types import Direction, PageId, PageMeta, Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
@@ -21,57 +23,85 @@ class Cascade:
     def __init__(self, core: EngineCore) -> None:
         self._core = core
 
-    def cpu_slots(self, page_size: int, n: int) -> list[int]:
+    def _protected(self, rows: np.ndarray) -> np.ndarray:
+        return self._core.table.protect[rows] > 0
+
+    def cpu_slots(self, page_size: int, n: int) -> np.ndarray:
         """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room."""
-        core = self._core
-        got = core.host.alloc(page_size, n)
+        host = self._core.host
+        got = host.alloc_array(page_size, n)
         if got is None:
             self.make_cpu_room(page_size, n)
-            got = core.host.alloc(page_size, n)
-        if got is None:
-            got = []
-            for _ in range(n):
-                one = core.host.alloc(page_size, 1)
+            got = host.alloc_array(page_size, n)
+        if got is None:  # as many as there are, a run at a time
+            parts, left = [], n
+            while left:
+                one = host.alloc_array(page_size, 1)
                 if one is None:
                     break
-                got.extend(one)
-        return list(got)
+                parts.append(one)
+                left -= 1
+            got = np.concatenate(parts) if parts else EMPTY
+        return got
 
     def make_cpu_room(self, page_size: int, n: int) -> None:
         core = self._core
         policy = core.cpu_policy.get(page_size)
         if policy is None or not len(policy):
             return
-        k = min(n, len(policy) - sum(1 for p in core.cpu_protected if p in policy))
-        victims = policy.evict(k, core.cpu_protected) if k > 0 else None
-        for pid in victims or []:
-            core.counters.evictions[Tier.CPU] += 1
-            self.demote_cpu(core.table.pages[pid])
+        victims = policy.evict(n, self._protected, partial=True)
+        if victims is not None and len(victims):
+            core.counters.evictions[Tier.CPU] += len(victims)
+            policy.insert(victims, core.meta(victims))  # back in, so ``unsettle`` is uniform
+            self.demote_cpu(victims, page_size)
 
-    def demote_cpu(self, page: Page) -> None:
-        """A CPU victim goes to disk if admitted and there is room, else it is dropped."""
-        core = self._core
-        core.policy_of(page).insert(page.meta())  # back in, so ``unsettle`` is uniform
-        if core.disk is None or not core.admission.admit(page.meta(), page.hits):
-            core.drop(page, "no_admission" if core.disk is not None else "cpu_full")
+    def demote_cpu(self, rows: np.ndarray, page_size: int) -> None:
+        """CPU victims go to disk if admitted and there is room, else they are dropped."""
+        core, t = self._core, self._core.table
+        if core.disk is None:
+            core.drop(rows, "cpu_full")
             return
-        slots = core.disk.alloc(page.page_size, 1)
-        if slots is None:
-            self.make_disk_room(page.page_size)
-            slots = core.disk.alloc(page.page_size, 1)
-        if slots is None:
-            core.drop(page, "disk_full")
+        admit = np.fromiter(
+            (
+                core.admission.admit(PageMeta(PageId(r), p, q, n), h)
+                for r, p, q, n, h in zip(
+                    rows.tolist(),
+                    t.prio[rows].tolist(),
+                    t.pos[rows].tolist(),
+                    t.length[rows].tolist(),
+                    t.hits[rows].tolist(),
+                    strict=True,
+                )
+            ),
+            dtype=bool,
+            count=len(rows),
+        )
+        if not admit.all():
+            core.drop(rows[~admit], "no_admission")
+        rows = rows[admit]
+        if not len(rows):
             return
-        core.start(page, Direction.CPU_TO_DISK, slots[0])
+        slots = core.disk.alloc(page_size, len(rows))
+        if slots is None:
+            self.make_disk_room(page_size, len(rows))
+            slots = core.disk.alloc(page_size, len(rows))
+        if slots is None:  # as many as there are
+            slots = []
+            while len(slots) < len(rows) and (one := core.disk.alloc(page_size, 1)):
+                slots += one
+        if len(slots) < len(rows):
+            core.drop(rows[len(slots) :], "disk_full")
+        dsts = np.array(slots, dtype=np.int64)
+        core.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
 
-    def make_disk_room(self, page_size: int) -> None:
+    def make_disk_room(self, page_size: int, n: int) -> None:
         core = self._core
         policy = core.disk_policy.get(page_size)
         if policy is None or not len(policy):
             return
-        victims = policy.evict(1, core.cpu_protected)  # never a page a restore is waiting for
-        for pid in victims or []:
-            page = core.table.pages[pid]
-            core.counters.evictions[Tier.DISK] += 1
-            policy.insert(page.meta())
-            core.drop(page, "disk_full")
+        # never a page a restore is waiting for
+        victims = policy.evict(n, self._protected, partial=True)
+        if victims is not None and len(victims):
+            core.counters.evictions[Tier.DISK] += len(victims)
+            policy.insert(victims, core.meta(victims))
+            core.drop(victims, "disk_full")

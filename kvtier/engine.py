@@ -14,13 +14,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.config import OffloadConfig
 from kvtier.core import EngineCore
 from kvtier.errors import FailedPrecondition, InvalidArgument
 from kvtier.events import Event, EventSubscription
-from kvtier.pagetable import Page
+from kvtier.pagetable import S_CPU, S_DISK, S_DOWN, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.prefix import PrefixStore
 from kvtier.residency import Residency
@@ -109,13 +110,13 @@ class TierEngine:
         return pool
 
     def detach(self, pool_id: PoolId) -> None:
-        with self._core.cond:
+        core = self._core
+        with core.cond:
             pool = self._pool(pool_id)
-            for page in self._core.table.of_pool(pool_id):
-                self._free_page(page)
-            while pool.moving_down or any(p.moving for p in self._core.table.of_pool(pool_id)):
-                self._core.cond.wait(0.05)
-            del self._core.pools[pool_id]
+            self._free_rows(core.table.of_pool(pool_id))
+            while pool.moving_down or len(core.table.of_pool(pool_id)):
+                core.cond.wait(0.05)
+            del core.pools[pool_id]
             pool.dev.close()
 
     def pool(self, pool_id: PoolId) -> Pool:
@@ -164,28 +165,28 @@ class TierEngine:
 
     # -- pages -------------------------------------------------------------------------------
     def free(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
-        with self._core.cond:
-            pool = self._pool(pool_id)
-            ids = check_ids("page_ids", page_ids)
-            pages = list(dict.fromkeys(self._core.table.get_many(pool.pool_id, ids)))
-            settled = [p for p in pages if p.state is PageState.GPU or p.state is PageState.CPU]
-            self._core.bulk.release_pages(settled)
-            if self._core.events.active:
-                for page in settled:
-                    self._core.events.publish(Event("freed", pool_id, page.page_id, None, None))
-            if len(settled) < len(pages):
-                for page in pages:
-                    if page.state is not PageState.GPU and page.state is not PageState.CPU:
-                        self._free_page(page)
-            self._core.cond.notify_all()
-
-    def _free_page(self, page: Page) -> None:
         core = self._core
-        if page.moving and not core.cancel(page):
-            page.doomed = True
-            return
-        core.release_page(page)
-        core.events.publish(Event("freed", page.pool_id, page.page_id, None, None))
+        ids = check_ids("page_ids", page_ids)
+        with core.cond:
+            self._pool(pool_id)
+            self._free_rows(core.table.unique(core.table.rows(pool_id, ids)))
+            core.cond.notify_all()
+
+    def _free_rows(self, rows: np.ndarray) -> None:
+        """Free pages: settled ones at once, moving ones by cancelling their move or, once it is
+        under way, when it completes (``doomed``)."""
+        core, t = self._core, self._core.table
+        states = t.state[rows]
+        moving = (states == S_DOWN) | (states == S_UP)
+        for row in rows[moving].tolist():
+            if not core.cancel(row):
+                t.doomed[row] = True
+        rows = rows[~t.doomed[rows]]
+        ids, pools = t.ids(rows).tolist(), t.pool[rows].tolist()
+        core.release(rows)
+        if core.events.active:
+            for page_id, pid in zip(ids, pools, strict=True):
+                core.events.publish(Event("freed", pid, page_id, None, None))
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no transfer is queued or in flight (True), or ``timeout`` passes."""
@@ -203,43 +204,46 @@ class TierEngine:
                 self._core.cond.wait(0.0005)
 
     def offload(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:
-        with self._core.cond:
+        core = self._core
+        ids = check_ids("page_ids", page_ids)
+        with core.cond:
             self._core_open()
             self._pool(pool_id)
-            pages = self._core.table.get_many(pool_id, check_ids("page_ids", page_ids))
-            return self._core.offload(list(dict.fromkeys(pages)))
+            return core.offload(core.table.unique(core.table.rows(pool_id, ids)))
 
     def prefetch(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:
-        with self._core.cond:
+        core = self._core
+        ids = check_ids("page_ids", page_ids)
+        with core.cond:
             self._core_open()
             pool = self._pool(pool_id)
-            pages = list(
-                dict.fromkeys(
-                    self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)
-                )
-            )
-            on_cpu = [p for p in pages if p.state is PageState.CPU][: pool.dev.num_free]
-            on_disk = [p for p in pages if p.state is PageState.DISK]
-            return self._core.restore_cpu(pool, on_cpu, urgent=False) + self._core.restore_disk(
-                on_disk
-            )
+            rows = core.table.unique(core.table.rows(pool_id, ids))
+            states = core.table.state[rows]
+            on_cpu = rows[states == S_CPU][: pool.dev.num_free]
+            on_disk = rows[states == S_DISK]
+            return core.restore_cpu(pool, on_cpu, urgent=False) + core.restore_disk(on_disk)
 
     def set_priority(self, pool_id: PoolId, page_ids: Sequence[PageId], priority: float) -> None:
         check_priority("priority", priority)
-        with self._core.cond:
+        core = self._core
+        ids = check_ids("page_ids", page_ids)
+        with core.cond:
             self._pool(pool_id)
-            pages = [self._core.table.get(pool_id, p) for p in check_ids("page_ids", page_ids)]
-            for page in pages:
-                page.priority = priority
-                if not page.moving and page.state is not PageState.DROPPED:
-                    self._core.policy_of(page).update(page.meta())
+            rows = core.table.unique(core.table.rows(pool_id, ids))
+            core.table.prio[rows] = priority
+            states = core.table.state[rows]
+            tracked = rows[(states >= S_GPU) & (states <= S_DISK)]
+            for tier, pool, size, part in core.groups(tracked):
+                core.policy_of(tier, pool, size).update(part, core.meta(part))
 
     def page_info(self, pool_id: PoolId, page_id: PageId) -> PageInfo:
         with self._core.cond:
-            page = self._core.table.get(pool_id, page_id)
-            tier = None if page.state is PageState.DROPPED else page.tier
-            slot = page.slot if page.state is PageState.GPU else None
-            return PageInfo(page.page_id, page.state, tier, slot, page.pins)
+            t = self._core.table
+            row = t.row(pool_id, page_id)
+            state = t.page_state(row)
+            tier = None if state is PageState.DROPPED else Tier(int(t.tier[row]))
+            slot = int(t.slot[row]) if state is PageState.GPU else None
+            return PageInfo(PageId(page_id), state, tier, slot, int(t.pins[row]))
 
     def write(self, pool_id: PoolId, page_id: PageId, data: torch.Tensor) -> None:
         """Copy ``data`` (``page_size`` bytes, any dtype) into the page."""
@@ -292,10 +296,7 @@ class TierEngine:
         with core.cond:
             gpu_cap = sum(p.num_slots * p.page_size for p in core.pools.values())
             gpu_used = sum(p.used_slots * p.page_size for p in core.pools.values())
-            count = {t: 0 for t in Tier}
-            for page in core.table.pages.values():
-                if page.state in (PageState.GPU, PageState.CPU, PageState.DISK):
-                    count[page.tier] += 1
+            count = dict(zip(Tier, core.table.tier_counts().tolist(), strict=True))
             disk = core.disk
             restores, offloads = core.scheduler.depth()
             return EngineStats(
@@ -316,7 +317,7 @@ class TierEngine:
                 queued_restores=restores,
                 queued_offloads=offloads,
                 inflight_bytes=core.scheduler.inflight_bytes,
-                pinned_pages=sum(len(p.pinned) for p in core.pools.values()),
+                pinned_pages=sum(p.pinned for p in core.pools.values()),
                 keyed_pages=len(core.table.by_key),
                 counters=core.counters,
             )

@@ -1,214 +1,213 @@
-"""The page table: the one place where page state lives.
+"""The page table: the one place where page state lives, as numpy columns (one row per page).
 
 Contract:
-    * Every page is in exactly one :class:`PageState`; ``tier``/``slot`` say where its bytes are
-      (while moving: the source, which stays valid until the move completes).
+    * A page is a *row*: a dense integer index into every column. Its public id is
+      ``generation << 32 | row``; a row is reused after its page is removed, with the next
+      generation, so a stale id never names the new page (``NotFound``).
+    * Every live row is in exactly one state (``S_GPU`` ... ``S_DROPPED``; ``S_NONE`` = no page);
+      ``tier``/``slot`` say where its bytes are (while moving: the source, which stays valid until
+      the move completes).
     * ``pins`` > 0 means an engine is using the page on the GPU: it never moves or is evicted.
-    * A page with ``pool_id is None`` is a *keyed* page (a stored prefix block) owned by ``tenant``;
-      keyed pages live in the CPU and disk tiers only.
+      ``waiting`` counts acquires waiting for the page to reach the GPU: the completion that lands
+      it there turns them into pins at once (``land``). ``protect`` counts restores and loads that
+      need the page kept where it is (no cascade or eviction takes it).
+    * A row with ``pool == 0`` is a *keyed* page (a stored prefix block) owned by a tenant; keyed
+      pages live in the CPU and disk tiers only and carry a (salted) content key.
+    * Callers pass rows as int64 arrays of *distinct* rows (``unique`` makes them so); every
+      operation is one numpy pass per column, never a Python loop per page.
     * The table is not thread-safe: the engine calls it under its lock.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
+from typing import Any
 
-from kvtier.batches import split_by
+import numpy as np
+
 from kvtier.errors import NotFound
-from kvtier.types import PageId, PageMeta, PageState, PoolId, Tier
+from kvtier.types import PageId, PageState, PoolId, Tier
 
-if TYPE_CHECKING:
-    from kvtier.transfer.base import Moves
+S_NONE, S_GPU, S_CPU, S_DISK, S_DOWN, S_UP, S_DROPPED = range(7)
+STATE_NAMES = (None, *PageState.__members__.values())  # code -> PageState (GPU .. DROPPED)
+STATE_OF_TIER = {Tier.GPU: S_GPU, Tier.CPU: S_CPU, Tier.DISK: S_DISK}
+ROW_BITS = 32
+ROW_MASK = (1 << ROW_BITS) - 1
+EMPTY = np.empty(0, dtype=np.int64)
 
-
-@dataclass(slots=True, eq=False)
-class Page:
-    """One logical page. Mutated only by the engine under its lock."""
-
-    page_id: PageId
-    pool_id: PoolId | None
-    tenant: str
-    page_size: int
-    state: PageState
-    tier: Tier
-    slot: int
-    priority: float = 1.0
-    position: int = 0
-    length: int = 1
-    pins: int = 0
-    hits: int = 0
-    key: bytes | None = None
-    move: Moves | None = None  # the batch it was prepared in (state MOVING_*), else None
-    doomed: bool = False  # freed while moving: release everything when the move completes
-    ready: Any = None  # CUDA event recorded when the engine last released the page
-    # Acquires waiting for this page to reach the GPU. A tuple, replaced and never mutated, so
-    # one acquire shares a single ``(wait,)`` between all its pages.
-    waits: tuple[AcquireWait, ...] | None = None
-    _meta: PageMeta | None = field(default=None, repr=False)  # meta(), until priority changes
-
-    def meta(self) -> PageMeta:
-        """What policies see of the page; built once and rebuilt when its priority changes
-        (position and length are fixed at creation)."""
-        meta = self._meta
-        if meta is None or meta.priority != self.priority:
-            meta = self._meta = PageMeta(self.page_id, self.priority, self.position, self.length)
-        return meta
-
-    @property
-    def moving(self) -> bool:
-        return self.state in (PageState.MOVING_DOWN, PageState.MOVING_UP)
+# name -> dtype of every column; ``move`` holds the Moves batch a moving row was prepared in.
+_COLUMNS: dict[str, Any] = {
+    "state": np.int8,
+    "tier": np.int8,
+    "slot": np.int64,
+    "pool": np.int64,
+    "size": np.int64,
+    "prio": np.float64,
+    "pos": np.int64,
+    "length": np.int64,
+    "pins": np.int32,
+    "waiting": np.int32,
+    "protect": np.int32,
+    "hits": np.int64,
+    "doomed": np.bool_,
+    "ready": np.int64,
+    "gen": np.int64,
+    "move": object,
+}
 
 
-@dataclass(slots=True, eq=False)
-class AcquireWait:
-    """One acquire's progress, advanced by move completions (never by rescanning pages).
-
-    A page that lands on the GPU is pinned for the waiting acquire at once (so nothing can evict
-    it before the acquire wakes) and counted down from ``left``; a page that lands in the CPU
-    tier (the disk leg of a restore) is queued in ``on_cpu`` for its GPU leg; ``on_disk`` and
-    ``lost`` report pages that went down or were dropped meanwhile.
-    """
-
-    left: int = 0
-    pinned: list[Page] = field(default_factory=list)
-    on_cpu: list[Page] = field(default_factory=list)
-    on_disk: list[Page] = field(default_factory=list)
-    lost: list[PageId] = field(default_factory=list)
-
-
-def advance_waits_many(pages: list[Page], pinned: set[PageId]) -> None:
-    """``advance_waits`` of each page (all with waits), the GPU arrivals pinned in one pass
-    per distinct set of waiting acquires (usually one: the acquire that restored them)."""
-    gpu = PageState.GPU
-    landed = [p for p in pages if p.state is gpu]
-    if landed:
-        keys = [p.waits for p in landed]
-        for waits, (group,) in split_by(keys, landed):
-            assert waits is not None
-            n = len(waits)
-            for page in group:
-                page.waits = None
-                page.pins += n
-            for wait in waits:
-                wait.pinned += group
-                wait.left -= len(group)
-        pinned.update([p.page_id for p in landed])
-    if len(landed) < len(pages):
-        for page in pages:
-            if page.state is not gpu:
-                advance_waits(page, pinned)
-
-
-def advance_waits(page: Page, pinned: set[PageId]) -> None:
-    """Tell the acquires waiting on ``page`` where it settled.
-
-    On the GPU it is pinned once per waiting acquire (``pinned``: its pool's pinned set) before
-    anything can evict it; dropped, it is reported lost; in CPU or on disk, queued for the next leg.
-    """
-    waits = page.waits
-    assert waits is not None
-    if page.state is PageState.GPU:
-        for wait in waits:
-            page.pins += 1
-            pinned.add(page.page_id)
-            wait.pinned.append(page)
-            wait.left -= 1
-        page.waits = None
-    elif page.state is PageState.DROPPED:
-        for wait in waits:
-            wait.lost.append(page.page_id)
-        page.waits = None
-    else:
-        for wait in waits:
-            (wait.on_cpu if page.state is PageState.CPU else wait.on_disk).append(page)
-
-
-def _by_pool(pages: list[Page]) -> dict[PoolId | None, list[Page]]:
-    first = pages[0].pool_id if pages else None
-    if all(p.pool_id == first for p in pages):
-        return {first: pages} if pages else {}
-    out: dict[PoolId | None, list[Page]] = {}
-    for page in pages:
-        out.setdefault(page.pool_id, []).append(page)
-    return out
-
-
-@dataclass(slots=True)
 class PageTable:
-    """Pages by id, by pool and by (salted) content key."""
+    """Pages as rows of numpy columns, plus keyed pages by (salted) content key."""
 
-    pages: dict[PageId, Page] = field(default_factory=dict)
-    by_pool: dict[PoolId, set[PageId]] = field(default_factory=dict)
-    by_key: dict[bytes, PageId] = field(default_factory=dict)
-    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    state: np.ndarray
+    tier: np.ndarray
+    slot: np.ndarray
+    pool: np.ndarray
+    size: np.ndarray
+    prio: np.ndarray
+    pos: np.ndarray
+    length: np.ndarray
+    pins: np.ndarray
+    waiting: np.ndarray
+    protect: np.ndarray
+    hits: np.ndarray
+    doomed: np.ndarray
+    ready: np.ndarray
+    gen: np.ndarray
+    move: np.ndarray
 
-    def new_id(self) -> PageId:
-        return PageId(next(self._ids))
+    def __init__(self, capacity: int = 1024) -> None:
+        for name, dtype in _COLUMNS.items():
+            setattr(self, name, _column(capacity, dtype))
+        self._mark = np.zeros(capacity, dtype=np.int64)  # scratch for ``unique``
+        self._high = 1  # rows below this have been used; row 0 is never a page
+        self._free = np.empty(0, dtype=np.int64)  # removed rows, reused first
+        self.live = 0
+        self.by_key: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.tenant_of: dict[int, str] = {}
 
-    def add(self, page: Page) -> None:
-        assert page.page_id not in self.pages
-        self.pages[page.page_id] = page
-        if page.pool_id is not None:
-            self.by_pool.setdefault(page.pool_id, set()).add(page.page_id)
-        if page.key is not None:
-            self.by_key[page.key] = page.page_id
+    # -- rows and ids ------------------------------------------------------------------------
+    def new_rows(self, n: int) -> np.ndarray:
+        """``n`` fresh rows (state ``S_NONE``, every column zero but ``gen``)."""
+        reuse = self._free[-n:] if n else EMPTY
+        self._free = self._free[: len(self._free) - len(reuse)]
+        fresh = n - len(reuse)
+        if self._high + fresh > len(self.state):
+            self._grow(self._high + fresh)
+        rows = np.concatenate([reuse, np.arange(self._high, self._high + fresh, dtype=np.int64)])
+        self._high += fresh
+        self.live += n
+        return rows
 
-    def new_ids(self, n: int) -> list[PageId]:
-        return cast("list[PageId]", list(itertools.islice(self._ids, n)))
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * len(self.state))
+        for name in (*_COLUMNS, "_mark"):
+            old = getattr(self, name)
+            new = _column(cap, old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
 
-    def add_pool_pages(self, pool_id: PoolId, pages: list[Page]) -> None:
-        """``add`` of new pages of one pool (pool pages carry no content key), in one call."""
-        fresh = {p.page_id: p for p in pages}
-        assert len(fresh) == len(pages) and self.pages.keys().isdisjoint(fresh)
-        self.pages.update(fresh)
-        self.by_pool.setdefault(pool_id, set()).update(fresh)
+    def ids(self, rows: np.ndarray) -> np.ndarray:
+        return (self.gen[rows] << ROW_BITS) | rows
 
-    def remove_many(self, pages: list[Page]) -> None:
-        """``remove`` of each."""
-        for pool_id, group in _by_pool(pages).items():
-            ids = [p.page_id for p in group]
-            for page_id in ids:
-                self.pages.pop(page_id, None)
-            if pool_id is not None:
-                self.by_pool.get(pool_id, set()).difference_update(ids)
-        for page in pages:
-            if page.key is not None and self.by_key.get(page.key) == page.page_id:
-                del self.by_key[page.key]
+    def id_of(self, row: int) -> PageId:
+        return PageId(int(self.gen[row]) << ROW_BITS | int(row))
 
-    def remove(self, page: Page) -> None:
-        self.pages.pop(page.page_id, None)
-        if page.pool_id is not None:
-            self.by_pool.get(page.pool_id, set()).discard(page.page_id)
-        if page.key is not None and self.by_key.get(page.key) == page.page_id:
-            del self.by_key[page.key]
+    def rows(self, pool_id: PoolId, page_ids: Sequence[int]) -> np.ndarray:
+        """The rows of ``pool_id``'s pages, in order; ``NotFound`` naming the first bad id (an
+        unknown or stale id, or a page of another pool)."""
+        try:
+            ids = np.array(page_ids, dtype=np.int64)
+        except OverflowError:
+            bad = next(i for i in page_ids if i >= 1 << 63)
+            raise NotFound(f"page {bad} not found in pool {pool_id}") from None
+        rows = ids & ROW_MASK
+        ok = (rows > 0) & (rows < self._high)
+        if ok.all():
+            ok = (self.gen[rows] == ids >> ROW_BITS) & (self.pool[rows] == pool_id)
+            ok &= self.state[rows] != S_NONE
+            if ok.all():
+                return rows
+        bad = int(ids[np.argmin(ok)])
+        raise NotFound(f"page {bad} not found in pool {pool_id}")
 
-    def get(self, pool_id: PoolId, page_id: PageId) -> Page:
-        """The pool's page; ``NotFound`` for unknown ids and for pages of other pools."""
-        page = self.pages.get(page_id)
-        if page is None or page.pool_id != pool_id:
-            raise NotFound(f"page {page_id} not found in pool {pool_id}")
-        return page
+    def row(self, pool_id: PoolId, page_id: int) -> int:
+        return int(self.rows(pool_id, [page_id])[0])
 
-    def get_many(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> list[Page]:
-        """``get`` of each id, in order (one pass; the same ``NotFound`` for the first bad id)."""
-        found = list(map(self.pages.get, page_ids))
-        if None not in found:
-            pages = cast("list[Page]", found)
-            if all(p.pool_id == pool_id for p in pages):
-                return pages
-        for page_id in page_ids:
-            self.get(pool_id, page_id)  # raises for the first bad id
-        raise AssertionError("unreachable: a page was missing or of another pool")
+    def unique(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` without repeats (first occurrences, in order); ``rows`` itself when it has
+        none (the common case: three numpy passes, no sort)."""
+        n = len(rows)
+        order = np.arange(n, dtype=np.int64)
+        self._mark[rows[::-1]] = order[::-1]  # the first occurrence's position wins
+        first = self._mark[rows] == order
+        return rows if first.all() else rows[first]
 
-    def keyed(self, key: bytes) -> Page | None:
-        pid = self.by_key.get(key)
-        return self.pages.get(pid) if pid is not None else None
+    def remove(self, rows: np.ndarray) -> None:
+        """Forget pages (their slots must already be free): the rows go back for reuse."""
+        if not len(rows):
+            return
+        self.state[rows] = S_NONE
+        self.gen[rows] += 1
+        for name in ("pool", "pins", "waiting", "protect", "hits", "ready"):
+            getattr(self, name)[rows] = 0
+        self.doomed[rows] = False
+        self.move[rows] = None
+        self.slot[rows] = -1
+        if self.key_of:
+            for row in rows.tolist():
+                key = self.key_of.pop(row, None)
+                if key is not None:
+                    self.tenant_of.pop(row, None)
+                    if self.by_key.get(key) == row:
+                        del self.by_key[key]
+        self._free = np.concatenate([self._free, rows])
+        self.live -= len(rows)
 
-    def of_pool(self, pool_id: PoolId) -> list[Page]:
-        return [self.pages[p] for p in self.by_pool.get(pool_id, ())]
+    # -- views ---------------------------------------------------------------------------------
+    def page_state(self, row: int) -> PageState:
+        state = STATE_NAMES[int(self.state[row])]
+        assert state is not None, f"row {row} holds no page"
+        return state
 
-    def count(self, state: PageState) -> int:
-        return sum(1 for p in self.pages.values() if p.state is state)
+    def keyed(self, key: bytes) -> int | None:
+        return self.by_key.get(key)
+
+    def add_key(self, row: int, key: bytes, tenant: str) -> None:
+        self.by_key[key] = row
+        self.key_of[row] = key
+        self.tenant_of[row] = tenant
+
+    def of_pool(self, pool_id: PoolId) -> np.ndarray:
+        live = self.state[: self._high] != S_NONE
+        return np.flatnonzero(live & (self.pool[: self._high] == pool_id)).astype(np.int64)
+
+    def count(self, state: int) -> int:
+        return int(np.count_nonzero(self.state[: self._high] == state))
+
+    def tier_counts(self) -> np.ndarray:
+        """Pages settled in each tier (GPU, CPU, DISK)."""
+        states = self.state[: self._high]
+        return np.bincount(states[(states >= S_GPU) & (states <= S_DISK)], minlength=4)[1:4]
+
+
+def _column(n: int, dtype: Any) -> np.ndarray:
+    if np.dtype(dtype) == np.dtype(object):
+        return np.full(n, None, dtype=object)
+    return np.zeros(n, dtype=dtype)
+
+
+def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Positions of ``values`` grouped by value, in first-seen order (one group when all equal,
+    the common case: one comparison pass)."""
+    if not len(values):
+        return []
+    first = values[0]
+    if (values == first).all():
+        return [(int(first), np.arange(len(values)))]
+    uniq, index = np.unique(values, return_index=True)
+    out = []
+    for i in np.argsort(index):
+        out.append((int(uniq[i]), np.flatnonzero(values == uniq[i])))
+    return out

@@ -4,28 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from kvtier.pagetable import Page
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import RowPolicy
 from kvtier.tiers.base import PoolHandle
 from kvtier.tiers.device import DevicePool
-from kvtier.types import PageId, PoolId
+from kvtier.types import PoolId
 
 
 @dataclass(slots=True, eq=False)
 class Pool:
-    """Mutated only under the engine lock. ``slot_pages`` maps GPU slots to resident pages."""
+    """Mutated only under the engine lock. ``slot_rows[s]`` is the page-table row resident in
+    GPU slot ``s`` (-1: none); ``pinned`` counts the pool's pages with pins."""
 
     pool_id: PoolId
     tenant: str
     dev: DevicePool
-    policy: EvictionPolicy
+    policy: RowPolicy
     default_priority: float = 1.0
     external: bool = False  # engine-registered memory: slots are the engine's to manage
-    pinned: set[PageId] = field(default_factory=set)
-    slot_pages: dict[int, Page] = field(default_factory=dict)
+    pinned: int = 0
+    slot_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     moving_down: int = 0  # offloads in flight: slots that will come free
+
+    def __post_init__(self) -> None:
+        self.slot_rows = np.full(self.dev.num_slots, -1, dtype=np.int64)
 
     @property
     def page_size(self) -> int:
@@ -45,13 +49,3 @@ class Pool:
 
     def handle(self) -> PoolHandle:
         return self.dev.handle()
-
-
-class Protected:
-    """``in`` test over several id sets without copying them (for ``policy.evict``)."""
-
-    def __init__(self, *sets: set[PageId]) -> None:
-        self._sets = sets
-
-    def __contains__(self, item: object) -> bool:
-        return any(item in s for s in self._sets)

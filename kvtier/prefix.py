@@ -14,9 +14,12 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvtier.core import EngineCore
 from kvtier.errors import (
@@ -26,16 +29,20 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
-from kvtier.pagetable import Page
+from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
 from kvtier.pool import Pool
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction, PageState, PoolId, Tier
+from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
 
 
+@functools.lru_cache(maxsize=1024)
+def _tenant_key(tenant: str) -> bytes:
+    return hashlib.blake2b(tenant.encode(), digest_size=32, person=b"kvtier-tenant").digest()
+
+
 def salt_key(tenant: str, key: bytes) -> bytes:
-    tenant_key = hashlib.blake2b(tenant.encode(), digest_size=32, person=b"kvtier-tenant").digest()
-    return hashlib.blake2b(key, key=tenant_key, digest_size=16).digest()
+    return hashlib.blake2b(key, key=_tenant_key(tenant), digest_size=16).digest()
 
 
 class PrefixStore:
@@ -59,13 +66,14 @@ class PrefixStore:
             raise InvalidArgument(
                 "slots", f"need one slot per key ({len(keys)} keys, {len(slots)} slots)"
             )
-        if not pool.external:
-            for s in slots:
-                page = pool.slot_pages.get(s)
-                if page is None or page.pins == 0:
-                    raise FailedPrecondition(
-                        f"slots: slot {s} holds no acquired page of pool {pool.pool_id}"
-                    )
+        if not pool.external and slots:
+            rows = pool.slot_rows[np.array(slots, dtype=np.int64)]
+            bad = (rows < 0) | (self._core.table.pins[np.maximum(rows, 0)] == 0)
+            if bad.any():
+                slot = slots[int(np.argmax(bad))]
+                raise FailedPrecondition(
+                    f"slots: slot {slot} holds no acquired page of pool {pool.pool_id}"
+                )
         return keys, slots
 
     def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
@@ -73,37 +81,43 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            pending = _Copies(pool, Direction.GPU_TO_CPU)
-            started: list[Moves] = []  # submitted early while waiting for room
+            todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
             stored = 0
-            seen: set[bytes] = set()
             for key, slot in zip(keys, slots, strict=True):
                 salted = salt_key(pool.tenant, key)
-                if salted in seen or core.table.keyed(salted) is not None:
+                if salted in todo or core.table.keyed(salted) is not None:
                     stored += 1  # already stored: its bytes are not rewritten
                     continue
-                seen.add(salted)
-                got = self._cpu_slot(pool.page_size, pending, started)
-                if not got:
+                todo[salted] = slot
+            pending = _Copies(pool, Direction.GPU_TO_CPU)
+            started: list[Moves] = []  # submitted early while waiting for room
+            items = list(todo.items())
+            while items:
+                got = self._cpu_slots(pool.page_size, len(items), pending, started)
+                if not len(got):
                     break
-                page = Page(
-                    core.table.new_id(),
-                    None,
-                    pool.tenant,
-                    pool.page_size,
-                    PageState.MOVING_DOWN,
-                    Tier.CPU,
-                    got[0],
-                    key=salted,
-                )
-                core.table.add(page)
-                pending.add(page, slot, got[0])
+                part, items = items[: len(got)], items[len(got) :]
+                rows = self._new_keyed(pool, [k for k, _ in part], got)
+                pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
             started += pending.submit(core)
             self._wait(started)
             return stored + sum(r is True for b in started for r in b.results or ())
 
-    def _cpu_slot(self, page_size: int, pending: _Copies, started: list[Moves]) -> list[int]:
-        """A CPU slot for a stored block, waiting (bounded) while the cascade frees one.
+    def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
+        """Keyed pages of ``pool``'s tenant, moving into CPU ``slots`` (a store in flight)."""
+        t = self._core.table
+        rows = t.new_rows(len(keys))
+        t.state[rows], t.tier[rows], t.slot[rows] = S_DOWN, Tier.CPU, slots
+        t.size[rows], t.prio[rows], t.length[rows] = pool.page_size, 1.0, 1
+        for row, key in zip(rows.tolist(), keys, strict=True):
+            t.add_key(row, key, pool.tenant)
+        return rows
+
+    def _cpu_slots(
+        self, page_size: int, n: int, pending: _Copies, started: list[Moves]
+    ) -> np.ndarray:
+        """Up to ``n`` CPU slots for stored blocks, waiting (bounded) while the cascade frees
+        some.
 
         A full CPU tier sends its victims to disk asynchronously: rather than storing fewer
         blocks than asked, wait for those writes while any transfer is still under way.
@@ -111,8 +125,8 @@ class PrefixStore:
         core = self._core
         deadline = time.monotonic() + core.config.restore_timeout_s
         while True:
-            got = core.cascade.cpu_slots(page_size, 1)
-            if got or time.monotonic() > deadline:
+            got = core.cascade.cpu_slots(page_size, n)
+            if len(got) or time.monotonic() > deadline:
                 return got
             # let the copies prepared so far start, so they can cascade
             started += pending.submit(core)
@@ -126,15 +140,17 @@ class PrefixStore:
         check_name("tenant", tenant)
         keys = check_keys("keys", keys)
         core = self._core
+        t = core.table
         with core.cond:
             tiers: list[Tier] = []
             for key in keys:
-                page = core.table.keyed(salt_key(tenant, key))
-                if page is None or page.state is PageState.DROPPED:
+                row = t.keyed(salt_key(tenant, key))
+                if row is None or t.state[row] == S_DROPPED:
                     core.counters.misses += 1
                     break
-                tiers.append(page.tier)
-                core.counters.hits[page.tier] += 1
+                tier = Tier(int(t.tier[row]))
+                tiers.append(tier)
+                core.counters.hits[tier] += 1
             return tiers
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
@@ -148,70 +164,74 @@ class PrefixStore:
             loaded = 0
             while loaded < len(keys):
                 part = keys[loaded : loaded + window]
-                pages = self._resident_prefix(pool, part)
+                rows = self._resident_prefix(pool, part)
                 try:
-                    n = self._copy_in(pool, pages, slots[loaded : loaded + len(pages)])
+                    n = self._copy_in(pool, rows, slots[loaded : loaded + len(rows)])
                 finally:
-                    core.unprotect(p.page_id for p in pages)
+                    core.unprotect(rows)
                 loaded += n
                 if n < len(part):
                     break
             return loaded
 
-    def _copy_in(self, pool: Pool, pages: list[Page], slots: list[int]) -> int:
+    def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> int:
         """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""
         core = self._core
+        if not len(rows):
+            return 0
         copies = _Copies(pool, Direction.CPU_TO_GPU)
-        for page, slot in zip(pages, slots, strict=True):
-            copies.add(page, page.slot, slot)
+        copies.add(rows, core.table.slot[rows], np.array(slots, dtype=np.int64))
         batches = copies.submit(core, urgent=True)
         self._wait(batches)
-        for page in pages:
-            core.policy_of(page).touch(page.page_id)
-            page.hits += 1
+        core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
+        core.table.hits[rows] += 1
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)
 
-    def _resident_prefix(self, pool: Pool, keys: list[bytes]) -> list[Page]:
-        """Pages of the longest stored prefix, brought to the CPU tier and returned protected.
+    def _resident_prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
+        """Rows of the longest stored prefix, brought to the CPU tier and returned protected.
 
         Pages already in CPU are protected as soon as they are seen, so bringing the rest up
         from disk can't push them back down.
         """
-        core = self._core
+        core, t = self._core, self._core.table
         deadline = time.monotonic() + core.config.restore_timeout_s
-        held: set = set()
+        held: set[int] = set()
         try:
             while True:
-                pages = self._prefix(pool, keys)
-                for page in pages:
-                    if page.state is PageState.CPU and page.page_id not in held:
-                        core.protect([page.page_id])
-                        held.add(page.page_id)
-                waiting = [p for p in pages if p.state is not PageState.CPU]
-                if not waiting:
-                    core.unprotect(held - {p.page_id for p in pages})
-                    return pages
-                for page in waiting:
-                    if page.state is PageState.DISK:
-                        core.restore_disk([page])
-                    elif page.state is PageState.MOVING_DOWN:
-                        core.cancel(page)
+                rows = self._prefix(pool, keys)
+                states = t.state[rows]
+                fresh = [r for r in rows[states == S_CPU].tolist() if r not in held]
+                if fresh:
+                    core.protect(np.array(fresh, dtype=np.int64))
+                    held.update(fresh)
+                if (states == S_CPU).all():
+                    stale = held.difference(rows.tolist())
+                    core.unprotect(np.array(sorted(stale), dtype=np.int64))
+                    return rows
+                on_disk = rows[states == S_DISK]
+                if len(on_disk):
+                    core.restore_disk(on_disk)
+                for row in rows[states == S_DOWN].tolist():
+                    core.cancel(row)
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
                 core.cond.wait(0.05)
         except BaseException:
-            core.unprotect(held)
+            core.unprotect(np.array(sorted(held), dtype=np.int64))
             raise
 
-    def _prefix(self, pool: Pool, keys: list[bytes]) -> list[Page]:
-        pages: list[Page] = []
+    def _prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
+        t = self._core.table
+        found: list[int] = []
         for key in keys:
-            page = self._core.table.keyed(salt_key(pool.tenant, key))
-            if page is None or page.state is PageState.DROPPED or page.page_size != pool.page_size:
+            row = t.keyed(salt_key(pool.tenant, key))
+            if row is None:
                 break
-            pages.append(page)
-        return pages
+            found.append(row)
+        rows = np.array(found, dtype=np.int64) if found else EMPTY
+        bad = (t.state[rows] == S_DROPPED) | (t.size[rows] != pool.page_size)
+        return rows[: int(np.argmax(bad))] if bad.any() else rows
 
     def _wait(self, batches: list[Moves]) -> None:
         deadline = time.monotonic() + self._core.config.restore_timeout_s
@@ -230,22 +250,19 @@ class _Copies:
 
     def __init__(self, pool: Pool, direction: Direction) -> None:
         self.pool, self.direction = pool, direction
-        self.pages: list[Page] = []
-        self.srcs: list[int] = []
-        self.dsts: list[int] = []
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add(self, page: Page, src: int, dst: int) -> None:
-        self.pages.append(page)
-        self.srcs.append(src)
-        self.dsts.append(dst)
+    def add(self, rows: np.ndarray, srcs: np.ndarray, dsts: np.ndarray) -> None:
+        self.parts.append((rows, srcs, dsts))
 
     def submit(self, core: EngineCore, urgent: bool = False) -> list[Moves]:
         """The gathered copies as one submitted batch (none when empty); starts a new one."""
-        if not self.pages:
+        if not self.parts:
             return []
-        n, pool = len(self.pages), self.pool
-        batch = Moves(self.direction, pool.page_size, self.srcs, self.dsts, self.pages, pool.dev)
-        batch.copy, batch.urgent, batch.results = True, urgent, [None] * n
-        self.pages, self.srcs, self.dsts = [], [], []
+        rows, srcs, dsts = (np.concatenate(col) for col in zip(*self.parts, strict=True))
+        pool = self.pool
+        batch = Moves(self.direction, pool.page_size, srcs, dsts, rows, pool.dev)
+        batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
+        self.parts = []
         core.scheduler.submit([batch])
         return [batch]

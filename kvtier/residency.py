@@ -2,31 +2,33 @@
 
 Contract (see ``ENGINE_API.md``): ``allocate`` creates pinned GPU pages, ``acquire`` makes pages
 resident and pins them, ``release`` unpins; ``try_acquire``/``try_release`` are their
-non-blocking forms for event loops. An acquire never rescans its pages: it registers an
-``AcquireWait`` that move completions advance (pinning each page as it lands), so its cost is
-per page once, not per page per batch. Capacity shortfall returns ``None``; bad input raises
-before any state changes.
+non-blocking forms for event loops. An acquire counts itself in the ``waiting`` column of each
+page it needs; the completion that lands a page on the GPU pins it for every waiting acquire at
+once (nothing can evict it before the acquire wakes). The acquire itself only re-reads the state
+of the pages it still waits for, one numpy pass per wake-up. Capacity shortfall returns ``None``;
+bad input raises before any state changes.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import cast
 
-import torch
+import numpy as np
 
-from kvtier.batches import split_by
 from kvtier.core import EngineCore
-from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, PageLost
-from kvtier.pagetable import AcquireWait, Page
-from kvtier.pool import Pool, Protected
-from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
+from kvtier.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PageLost,
+)
+from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED, S_GPU
+from kvtier.pool import Pool
+from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_priority
-
-_STATE, _TIER = attrgetter("state"), attrgetter("tier")
 
 
 class Residency:
@@ -43,7 +45,7 @@ class Residency:
         priority: float | None = None,
         sequence_length: int | None = None,
     ) -> list[tuple[PageId, SlotIndex]] | None:
-        if not isinstance(n, int) or n <= 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise InvalidArgument("n", f"must be a positive integer, got {n}")
         if priority is not None:
             check_priority("priority", priority)
@@ -51,34 +53,42 @@ class Residency:
             not isinstance(sequence_length, int) or sequence_length < n
         ):
             raise InvalidArgument("sequence_length", f"must be an integer >= n ({n})")
-        deadline = time.monotonic() + self._core.config.restore_timeout_s
         core = self._core
+        deadline = time.monotonic() + core.config.restore_timeout_s
         with core.cond:
-            self._core.check_open()
-            pool = self._core.pool_of(pool_id)
+            core.check_open()
+            pool = core.pool_of(pool_id)
             if pool.external:
                 raise FailedPrecondition(
                     f"pool {pool_id} is engine-managed (registered); allocate there"
                 )
-            if n > pool.num_slots - len(pool.pinned):
+            if n > pool.num_slots - pool.pinned:
                 return None
             while pool.dev.num_free < n:
-                self._make_room(pool, n - pool.dev.num_free, set())
+                self._make_room(pool, n - pool.dev.num_free)
                 if not self._wait(deadline):
                     return None
-            slots = pool.dev.alloc(n)
+            slots = pool.dev.take(n)
             assert slots is not None
-            ids = core.table.new_ids(n)
             prio = pool.default_priority if priority is None else priority
-            length, size, tenant, gpu = sequence_length or n, pool.page_size, pool.tenant, Tier.GPU
-            pages = [
-                Page(pid, pool_id, tenant, size, PageState.GPU, gpu, slot, prio, i, length, 1)
-                for i, (pid, slot) in enumerate(zip(ids, slots, strict=True))
-            ]
-            core.table.add_pool_pages(pool_id, pages)
-            core.bulk.settle_new(pool, pages)
-            pool.pinned.update(ids)
-            return list(zip(ids, slots, strict=True))
+            rows = self._new_pages(pool, slots, prio, sequence_length or n)
+            ids = core.table.ids(rows).tolist()
+            return list(zip(ids, slots.tolist(), strict=True))
+
+    def _new_pages(self, pool: Pool, slots: np.ndarray, prio: float, length: int) -> np.ndarray:
+        """Pinned GPU pages in ``slots`` (positions 0.. of a sequence of ``length``)."""
+        core, t = self._core, self._core.table
+        rows = t.new_rows(len(slots))
+        t.pool[rows], t.size[rows], t.prio[rows], t.length[rows] = (
+            pool.pool_id,
+            pool.page_size,
+            prio,
+            length,
+        )
+        t.pos[rows] = np.arange(len(rows))
+        core.settle(rows, Tier.GPU, slots, pool)
+        core.pin(pool, rows)
+        return rows
 
     def acquire(
         self, pool_id: PoolId, page_ids: Sequence[PageId], *, timeout: float | None = None
@@ -86,61 +96,28 @@ class Residency:
         """Resident + pinned, restores first. See ENGINE_API.md."""
         core = self._core
         start = time.monotonic()
-        deadline = start + (self._core.config.restore_timeout_s if timeout is None else timeout)
+        deadline = start + (core.config.restore_timeout_s if timeout is None else timeout)
+        ids = check_ids("page_ids", page_ids)
         with core.cond:
-            self._core.check_open()
-            pool = self._core.pool_of(pool_id)
-            pages = core.table.get_many(pool_id, check_ids("page_ids", page_ids))
-            unique = list(dict.fromkeys(pages))
-            wanted = {p.page_id for p in unique}
-            others = len(pool.pinned) - len(pool.pinned & wanted)
-            if len(unique) > pool.num_slots - others:
+            core.check_open()
+            pool = core.pool_of(pool_id)
+            rows = core.table.rows(pool_id, ids)
+            unique = core.table.unique(rows)
+            if not self._fits(pool, unique):
                 return None
-            wait = AcquireWait()
-            counted = False
-            core.protect(wanted)  # neither cascade may push these down meanwhile
-            try:
-                keys = list(map(_STATE, unique))
-                by_state = {state: group for state, (group,) in split_by(keys, unique)}
-                self._check_lost(by_state)
-                self._watch(pool, unique, by_state, wait)
-                restored = wait.left > 0
-                on_cpu = list(by_state.get(PageState.CPU, ()))
-                on_disk = list(by_state.get(PageState.DISK, ()))
-                for page in by_state.get(PageState.MOVING_DOWN, ()):
-                    core.cancel(page)  # back on the GPU: its wait pins it
-                if wait.left:
-                    core.restore_waiters += 1
-                    counted = True
-                while wait.left:
-                    if wait.lost:
-                        raise PageLost(f"pages {wait.lost} were dropped and must be recomputed")
-                    on_cpu += wait.on_cpu
-                    on_disk += wait.on_disk
-                    wait.on_cpu, wait.on_disk = [], []
-                    if on_cpu or on_disk:
-                        on_cpu, on_disk = self._start_up(pool, on_cpu, on_disk, wanted)
-                    if not wait.left:  # a small restore runs inline and may be done already
-                        break
-                    if not self._wait(deadline):
-                        raise DeadlineExceeded(f"acquire of {len(unique)} pages timed out")
-            except BaseException:
-                for page in wait.pinned:
-                    self._unpin(pool, page)
-                raise
-            finally:
-                if counted:
-                    core.restore_waiters -= 1
-                for page in [p for p in unique if p.waits]:
-                    page.waits = tuple(w for w in page.waits or () if w is not wait) or None
-                core.unprotect(wanted)
-            for page in unique:
-                page.hits += 1
-            pool.policy.touch_many([p.page_id for p in unique])
+            lost = unique[core.table.state[unique] == S_DROPPED]
+            if len(lost):
+                raise PageLost(f"pages {core.table.ids(lost).tolist()} were dropped")
+            restored = _Acquire(core, pool, unique).run(deadline)
             if restored:
                 core.counters.restore_latencies.append(time.monotonic() - start)
                 del core.counters.restore_latencies[:-4096]
-            return cast("list[SlotIndex]", [p.slot for p in pages])
+            return cast("list[SlotIndex]", core.table.slot[rows].tolist())
+
+    def _fits(self, pool: Pool, unique: np.ndarray) -> bool:
+        """Whether the pool can hold ``unique`` pinned at once beside the other pinned pages."""
+        mine = int(np.count_nonzero(self._core.table.pins[unique] > 0))
+        return len(unique) <= pool.num_slots - (pool.pinned - mine)
 
     def try_acquire(
         self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]
@@ -158,18 +135,18 @@ class Residency:
             pool = core.pools.get(pool_id)
             if core.closed or pool is None or pool.tenant != tenant:
                 return None
-            pages = []
-            for pid in page_ids:
-                page = core.table.pages.get(pid)
-                if page is None or page.pool_id != pool_id or page.state is not PageState.GPU:
-                    return None
-                pages.append(page)
-            for page in dict.fromkeys(pages):
-                self._pin(pool, page)
-                page.hits += 1
-                pool.policy.touch(page.page_id)
+            try:
+                rows = core.table.rows(pool_id, check_ids("page_ids", page_ids))
+            except (NotFound, InvalidArgument):
+                return None
+            if not (core.table.state[rows] == S_GPU).all():
+                return None
+            unique = core.table.unique(rows)
+            core.pin(pool, unique)
+            core.table.hits[unique] += 1
+            pool.policy.touch(unique)
             core.counters.hits[Tier.GPU] += 1
-            return [SlotIndex(p.slot) for p in pages]
+            return cast("list[SlotIndex]", core.table.slot[rows].tolist())
         finally:
             core.cond.release()
 
@@ -183,83 +160,39 @@ class Residency:
             pool = core.pools.get(pool_id)
             if pool is None or pool.tenant != tenant:
                 return False
-            pages = []
-            for pid in dict.fromkeys(page_ids):
-                page = core.table.pages.get(pid)
-                if page is None or page.pool_id != pool_id or page.pins == 0:
-                    return False
-                pages.append(page)
-            ready = self._record_ready()
-            for page in pages:
-                self._unpin(pool, page)
-                page.ready = ready
+            try:
+                rows = core.table.rows(pool_id, check_ids("page_ids", page_ids))
+            except (NotFound, InvalidArgument):
+                return False
+            unique = core.table.unique(rows)
+            if not (core.table.pins[unique] > 0).all():
+                return False
+            self._unpin(pool, unique)
             core.cond.notify_all()
             return True
         finally:
             core.cond.release()
 
-    def _watch(
-        self,
-        pool: Pool,
-        pages: list[Page],
-        by_state: dict[PageState, list[Page]],
-        wait: AcquireWait,
-    ) -> None:
-        """Pin the resident pages now; register ``wait`` on the others."""
-        gpu = PageState.GPU
-        resident = by_state.get(gpu, [])
-        for page in resident:
-            page.pins += 1
-        pool.pinned.update([p.page_id for p in resident])
-        wait.pinned += resident
-        if len(resident) < len(pages):
-            alone = (wait,)  # shared by every page no other acquire waits on
-            away = [p for p in pages if p.state is not gpu] if resident else pages
-            for page in away:
-                page.waits = alone if page.waits is None else (*page.waits, wait)
-            wait.left += len(away)
-        hits = self._core.counters.hits
-        for tier, n in Counter(map(_TIER, pages)).items():
-            hits[tier] += n
-
-    def _start_up(
-        self, pool: Pool, on_cpu: list[Page], on_disk: list[Page], wanted: set[PageId]
-    ) -> tuple[list[Page], list[Page]]:
-        """Start the next leg toward the GPU; returns the pages still waiting for room."""
+    def release(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
         core = self._core
-        on_cpu = [p for p in on_cpu if p.state is PageState.CPU]
-        on_disk = [p for p in on_disk if p.state is PageState.DISK]
-        # GPU room first: the victims need CPU slots that disk restores would otherwise take.
-        short = len(on_cpu) + len(on_disk) - pool.dev.num_free
-        if short > 0:
-            self._make_room(pool, short, wanted)
-        started = core.restore_cpu(pool, on_cpu)
-        if short <= 0:
-            core.restore_disk(on_disk)
-        return on_cpu[started:], [p for p in on_disk if p.state is PageState.DISK]
+        ids = check_ids("page_ids", page_ids)
+        with core.cond:
+            pool = core.pool_of(pool_id)
+            unique = core.table.unique(core.table.rows(pool_id, ids))
+            bad = unique[core.table.pins[unique] == 0]
+            if len(bad):
+                listed = core.table.ids(bad).tolist()
+                raise FailedPrecondition(f"page_ids: pages {listed} are not acquired")
+            self._unpin(pool, unique)
+            core.cond.notify_all()
 
-    def _make_room(self, pool: Pool, n: int, keep: set[PageId]) -> None:
-        """Evict ``n`` GPU victims (urgently) unless enough slots are already on their way."""
-        n -= pool.moving_down
-        if n <= 0:
-            return
-        victims = pool.policy.evict(n, Protected(pool.pinned, keep))
-        if victims is None:
-            evictable = len(pool.policy) - len(pool.pinned)
-            victims = (
-                pool.policy.evict(evictable, Protected(pool.pinned, keep))
-                if evictable > 0
-                else None
-            )
-        pages = [self._core.table.pages[v] for v in victims or []]
-        for page in pages:  # evict() stopped tracking them; settle bookkeeping expects them
-            pool.policy.insert(page.meta())
-        self._core.counters.evictions[Tier.GPU] += self._core.offload(pages, urgent=True)
+    def _unpin(self, pool: Pool, rows: np.ndarray) -> None:
+        core = self._core
+        core.unpin(pool, rows)
+        core.table.ready[rows] = core.ready.record()
 
-    def _check_lost(self, by_state: dict[PageState, list[Page]]) -> None:
-        lost = [p.page_id for p in by_state.get(PageState.DROPPED, ())]
-        if lost:
-            raise PageLost(f"pages {lost} were dropped and must be recomputed")
+    def _make_room(self, pool: Pool, n: int) -> None:
+        make_room(self._core, pool, n)
 
     def _wait(self, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
@@ -269,33 +202,127 @@ class Residency:
         self._core.check_open()
         return True
 
-    def _pin(self, pool: Pool, page: Page) -> None:
-        page.pins += 1
-        pool.pinned.add(page.page_id)
 
-    def _unpin(self, pool: Pool, page: Page) -> None:
-        page.pins -= 1
-        if page.pins == 0:
-            pool.pinned.discard(page.page_id)
+def make_room(core: EngineCore, pool: Pool, n: int) -> None:
+    """Evict ``n`` GPU victims (urgently) unless enough slots are already on their way; pinned
+    pages and pages a restore needs are never victims."""
+    n -= pool.moving_down
+    if n <= 0:
+        return
+    t = core.table
+    victims = pool.policy.evict(n, lambda r: (t.pins[r] > 0) | (t.protect[r] > 0), partial=True)
+    if victims is None or not len(victims):
+        return
+    pool.policy.insert(victims, core.meta(victims))  # back in: ``offload`` takes them out
+    core.counters.evictions[Tier.GPU] += core.offload(victims, urgent=True)
 
-    def release(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
-        with self._core.cond:
-            pool = self._core.pool_of(pool_id)
-            ids = check_ids("page_ids", page_ids)
-            pages = list(dict.fromkeys(self._core.table.get_many(pool_id, ids)))
-            bad = [p.page_id for p in pages if p.pins == 0]
-            if bad:
-                raise FailedPrecondition(f"page_ids: pages {bad} are not acquired")
-            ready = self._record_ready()
-            for page in pages:
-                page.pins -= 1
-                page.ready = ready
-            pool.pinned.difference_update([p.page_id for p in pages if p.pins == 0])
-            self._core.cond.notify_all()
 
-    def _record_ready(self) -> object:
-        if self._core.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._core.device))
-        return event
+class _Acquire:
+    """One acquire's progress: pins what is resident, waits for the rest, drives their legs
+    up (disk -> CPU -> GPU), and undoes its pins and waits if it fails."""
+
+    def __init__(self, core: EngineCore, pool: Pool, rows: np.ndarray) -> None:
+        self.core, self.pool, self.rows = core, pool, rows
+        t = core.table
+        self.gens = t.gen[rows]
+        resident = t.state[rows] == S_GPU
+        away = ~resident
+        self.pending, self.pending_gens = rows[away], self.gens[away]
+        self.pinned = rows[resident]  # pinned here; the rest are pinned by ``land``
+        hits = core.counters.hits
+        for tier, count in enumerate(np.bincount(t.tier[rows], minlength=3).tolist()):
+            hits[Tier(tier)] += count
+
+    def run(self, deadline: float) -> bool:
+        """Pin everything (True if anything had to be restored); raises with nothing held."""
+        core, t = self.core, self.core.table
+        core.pin(self.pool, self.pinned)
+        t.waiting[self.pending] += 1
+        core.protect(self.rows)  # neither cascade may push these down meanwhile
+        counted = False
+        try:
+            for row in self.pending[t.state[self.pending] == S_DOWN].tolist():
+                core.cancel(row)  # back on the GPU: ``land`` pins it
+            if len(self.pending):
+                core.restore_waiters += 1
+                counted = True
+            while self._still_waiting():
+                self._start_up()
+                if not self._still_waiting():  # a small restore runs inline
+                    break
+                if not _wait(core, deadline):
+                    raise DeadlineExceeded(f"acquire of {len(self.rows)} pages timed out")
+        except BaseException:
+            self._undo()
+            raise
+        finally:
+            if counted:
+                core.restore_waiters -= 1
+            core.unprotect(self.rows)
+        freed = t.gen[self.rows] != self.gens  # a page that landed and was freed at once
+        if freed.any():
+            self._undo()
+            raise NotFound(f"pages {self._ids(self.rows[freed])} were freed while being acquired")
+        t.hits[self.rows] += 1
+        self.pool.policy.touch(self.rows)
+        return counted
+
+    def _still_waiting(self) -> bool:
+        """Drop pages that landed from ``pending``; raise for pages lost or freed meanwhile.
+        One pass over the ``waiting`` column; the rest only over what still waits."""
+        t = self.core.table
+        rows, gens = self.pending, self.pending_gens
+        if not len(rows):
+            return False
+        still = t.waiting[rows] > 0
+        if not still.all():
+            rows, gens = self.pending, self.pending_gens = rows[still], gens[still]
+        if not len(rows):
+            return False
+        freed = t.gen[rows] != gens
+        if freed.any():
+            raise NotFound(f"pages {self._ids(rows[freed])} were freed while being acquired")
+        lost = t.state[rows] == S_DROPPED
+        if lost.any():
+            raise PageLost(f"pages {self._ids(rows[lost])} were dropped and must be recomputed")
+        return True
+
+    def _ids(self, rows: np.ndarray) -> list[int]:
+        return cast("list[int]", self.core.table.ids(rows).tolist())
+
+    def _start_up(self) -> None:
+        """Start the next leg toward the GPU for pending pages that wait in CPU or on disk."""
+        core, pool, t = self.core, self.pool, self.core.table
+        states = t.state[self.pending]
+        on_cpu = self.pending[states == S_CPU]
+        on_disk = self.pending[states == S_DISK]
+        if not len(on_cpu) and not len(on_disk):
+            return
+        # GPU room first: the victims need CPU slots that disk restores would otherwise take.
+        short = len(on_cpu) + len(on_disk) - pool.dev.num_free
+        if short > 0:
+            make_room(core, pool, short)
+        core.restore_cpu(pool, on_cpu)
+        if short <= 0 and len(on_disk):
+            core.restore_disk(on_disk)
+
+    def _undo(self) -> None:
+        """Unpin what this acquire pinned; withdraw its waits from pages not yet landed."""
+        core, t = self.core, self.core.table
+        alive = self.rows[t.gen[self.rows] == self.gens]
+        waiting = alive[t.waiting[alive] > 0]
+        waiting = waiting[np.isin(waiting, self.pending)] if len(waiting) else EMPTY
+        t.waiting[waiting] -= 1
+        held = alive[~np.isin(alive, waiting)]
+        held = held[t.pins[held] > 0]
+        if len(held):
+            core.unpin(self.pool, held)
+
+
+def _wait(core: EngineCore, deadline: float) -> bool:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return False
+    core.cond.wait(min(remaining, 0.05))
+    core.check_open()
+    return True

@@ -12,7 +12,7 @@ Contract:
       queue (a larger queued batch is split, smaller compatible ones are joined), and launches
       the next batch before waiting on the previous one (two batches in flight). Bytes in flight
       across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
-    * ``cancel(batch, page)`` takes ``page``'s column out of a still-queued batch and returns its
+    * ``cancel(batch, row)`` takes page ``row``'s column out of a still-queued batch and returns its
       ``(src, dst)``, or None when the batch was already taken.
     * ``on_complete(batch, results, seconds)`` is called on the lane thread after every batch,
       including failed ones (all False) and, on ``close``, every batch still queued (all False).
@@ -26,14 +26,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from kvtier.errors import Unavailable
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
-
-if TYPE_CHECKING:
-    from kvtier.pagetable import Page
 
 log = logging.getLogger(__name__)
 CompleteFn = Callable[[Moves, list[bool], float], None]
@@ -136,18 +132,19 @@ class TransferScheduler:
                 if batch.direction not in self._handlers:
                     raise Unavailable(f"no handler for {batch.direction.name}")
             for batch in batches:
-                if batch.srcs:
+                if len(batch.srcs):
                     self._lanes[_LANE_OF[batch.direction]].queue_for(batch).append(batch)
             self._cond.notify_all()
 
-    def cancel(self, batch: Moves, page: Page) -> tuple[int, int] | None:
-        """``page``'s ``(src, dst)``, taken out of ``batch`` if it is still queued, else None."""
+    def cancel(self, batch: Moves, row: int) -> tuple[int, int] | None:
+        """Page ``row``'s ``(src, dst)``, taken out of ``batch`` if it is still queued, else
+        None."""
         with self._cond:
             queue = self._lanes[_LANE_OF[batch.direction]].queue_for(batch)
             if not any(b is batch for b in queue):
                 return None
-            cols = batch.remove(page)
-            if cols is not None and not batch.srcs:
+            cols = batch.remove(row)
+            if cols is not None and not len(batch.srcs):
                 queue.remove(batch)
             return cols
 

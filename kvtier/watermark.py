@@ -12,9 +12,11 @@ import math
 import threading
 import time
 
+import numpy as np
+
 from kvtier.core import EngineCore
-from kvtier.pool import Pool, Protected
-from kvtier.types import PageState
+from kvtier.pagetable import S_CPU
+from kvtier.pool import Pool
 
 PERSIST_EVERY_S = 2.0
 
@@ -43,23 +45,21 @@ class Watermarks:
                     self.check(pool)
 
     def check(self, pool: Pool) -> None:
-        cfg = self._core.config
+        core, cfg, t = self._core, self._core.config, self._core.table
         used = pool.used_slots - pool.moving_down
         if used > cfg.threshold * pool.num_slots:
             excess = used - math.floor(cfg.low_watermark * pool.num_slots)
-            evictable = len(pool.policy) - len(pool.pinned)
-            n = min(excess, evictable)
-            victims = pool.policy.evict(n, Protected(pool.pinned)) if n > 0 else None
-            pages = [self._core.table.pages[v] for v in victims or []]
-            for page in pages:
-                pool.policy.insert(page.meta())
-            self._core.offload(pages)
+            victims = pool.policy.evict(excess, lambda r: t.pins[r] > 0, partial=True)
+            if victims is not None and len(victims):
+                pool.policy.insert(victims, core.meta(victims))  # ``offload`` takes them out
+                core.offload(victims)
         elif cfg.prefetch and used < cfg.low_watermark * pool.num_slots:
             room = math.floor(cfg.low_watermark * pool.num_slots) - used
-            cold = [p for p in self._core.table.of_pool(pool.pool_id) if p.state is PageState.CPU]
-            cold.sort(key=lambda p: p.page_id, reverse=True)
-            if cold and room > 0:
-                self._core.restore_cpu(pool, cold[:room], urgent=False)
+            rows = t.of_pool(pool.pool_id)
+            cold = rows[t.state[rows] == S_CPU]
+            if len(cold) and room > 0:
+                newest = cold[np.argsort(-t.ids(cold), kind="stable")]
+                core.restore_cpu(pool, newest[:room], urgent=False)
 
     def stop(self) -> None:
         self._stop.set()

@@ -100,13 +100,13 @@ def test_urgent_offload_jumps_the_offload_queue_and_batches_respect_bytes():
 def test_cancel_removes_a_queued_column_and_close_fails_the_rest():
     gate = threading.Event()
     sched, _log, done = make(gate)
-    pages = [object() for _ in range(4)]
+    pages = [10, 11, 12, 13]  # page-table rows
     sched.submit([mv(Direction.GPU_TO_CPU, [0])])
     wait_taken(sched)
     queued = mv(Direction.GPU_TO_CPU, range(1, 4), pages=pages[1:])
     sched.submit([queued])
-    assert sched.cancel(queued, pages[1]) == (1, 1)  # type: ignore[arg-type]
-    assert sched.cancel(queued, pages[1]) is None  # type: ignore[arg-type]
+    assert sched.cancel(queued, pages[1]) == (1, 1)
+    assert sched.cancel(queued, pages[1]) is None
     assert sched.depth() == (0, 2)
     gate.set()
     sched.close(2)
@@ -116,12 +116,12 @@ def test_cancel_removes_a_queued_column_and_close_fails_the_rest():
 def test_a_taken_batch_can_no_longer_be_cancelled():
     gate = threading.Event()
     sched, _log, done = make(gate, batch_bytes=2 * 4096)
-    pages = [object() for _ in range(4)]
+    pages = [10, 11, 12, 13]  # page-table rows
     batch = mv(Direction.GPU_TO_CPU, range(4), pages=pages)
     sched.submit([batch])
     wait_taken_some(sched, 2)
-    assert sched.cancel(batch, pages[0]) is None  # type: ignore[arg-type]  # split off, taken
-    assert sched.cancel(batch, pages[3]) == (3, 3)  # type: ignore[arg-type]  # still queued
+    assert sched.cancel(batch, pages[0]) is None  # split off, taken
+    assert sched.cancel(batch, pages[3]) == (3, 3)  # still queued
     gate.set()
     sched.close(2)
     assert sorted(done) == [0, 1, 2]

@@ -2,10 +2,10 @@
 
 Contract:
     * A :class:`Moves` batch copies pages of one size in one direction: column ``i`` copies
-      ``srcs[i]`` to ``dsts[i]`` (``pages[i]`` is its page, when the engine made it). GPU<->CPU
-      batches touch one GPU pool. The engine prepares a batch (destination slots allocated,
-      pages marked moving) and completes it with the handler's results, one per column; the
-      handler never touches the page table.
+      ``srcs[i]`` to ``dsts[i]`` (``rows[i]`` is its page-table row, when the engine made it).
+      GPU<->CPU batches touch one GPU pool. The engine prepares a batch (destination slots
+      allocated, pages marked moving) and completes it with the handler's results, one per
+      column; the handler never touches the page table.
     * ``TransferHandler.run(batch)`` runs on a scheduler lane thread, copies the whole batch
       with as few calls as possible (one gather + one DMA per contiguous run, never one call per
       page on CUDA), waits for completion on its own stream's event (no device-wide synchronize)
@@ -25,22 +25,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvtier.types import Direction
 
 if TYPE_CHECKING:
-    from kvtier.pagetable import Page
     from kvtier.tiers.device import DevicePool
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+def as_index(values: Any) -> np.ndarray:
+    """An int64 array of slot or row indices (lists are accepted for convenience)."""
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 @dataclass(slots=True, eq=False)
 class Moves:
-    """Copies of pages of one size, in one direction, touching at most one GPU pool."""
+    """Copies of pages of one size, in one direction, touching at most one GPU pool.
+
+    ``srcs``, ``dsts`` and ``rows`` are int64 arrays (``rows``: the page-table rows moved, empty
+    for raw copies); they are replaced, never mutated in place, so a split keeps views safely.
+    """
 
     direction: Direction
     page_size: int
-    srcs: list[int]
-    dsts: list[int]
-    pages: list[Page] = field(default_factory=list)  # empty: raw copies, no pages
+    srcs: np.ndarray
+    dsts: np.ndarray
+    rows: np.ndarray = field(default_factory=lambda: _NONE)
     pool: DevicePool | None = None
     copy: bool = False  # store/load: sources keep their bytes and pages their state
     urgent: bool = False  # serves a waiting restore: goes to the front of its queue
@@ -48,6 +60,10 @@ class Moves:
     results: list[bool | None] | None = None  # copy batches: set on completion, read by callers
     origin: Moves | None = None  # a split copy batch reports its results there ...
     at: int = 0  # ... from this column on
+
+    def __post_init__(self) -> None:
+        self.srcs, self.dsts = as_index(self.srcs), as_index(self.dsts)
+        self.rows = as_index(self.rows)
 
     def __len__(self) -> int:
         return len(self.srcs)
@@ -73,7 +89,7 @@ class Moves:
             self.page_size,
             self.srcs[:k],
             self.dsts[:k],
-            self.pages[:k],
+            self.rows[:k],
             self.pool,
             self.copy,
             self.urgent,
@@ -82,24 +98,27 @@ class Moves:
             (self.origin or self) if self.copy else None,
             self.at,
         )
-        del self.srcs[:k], self.dsts[:k], self.pages[:k]
+        self.srcs, self.dsts, self.rows = self.srcs[k:], self.dsts[k:], self.rows[k:]
         self.at += k
         return head
 
     def join(self, other: Moves) -> None:
-        assert self.compatible(other) and bool(self.pages) == bool(other.pages)
-        self.srcs += other.srcs
-        self.dsts += other.dsts
-        self.pages += other.pages
+        assert self.compatible(other) and bool(len(self.rows)) == bool(len(other.rows))
+        self.srcs = np.concatenate([self.srcs, other.srcs])
+        self.dsts = np.concatenate([self.dsts, other.dsts])
+        self.rows = np.concatenate([self.rows, other.rows])
         self.ready += [e for e in other.ready if all(e is not r for r in self.ready)]
 
-    def remove(self, page: Page) -> tuple[int, int] | None:
-        """Take ``page``'s column out (a cancelled move): its ``(src, dst)``, or None."""
-        for i, p in enumerate(self.pages):
-            if p is page:
-                del self.pages[i]
-                return self.srcs.pop(i), self.dsts.pop(i)
-        return None
+    def remove(self, row: int) -> tuple[int, int] | None:
+        """Take page ``row``'s column out (a cancelled move): its ``(src, dst)``, or None."""
+        hit = np.flatnonzero(self.rows == row)
+        if not len(hit):
+            return None
+        i = int(hit[0])
+        cols = int(self.srcs[i]), int(self.dsts[i])
+        keep = np.arange(len(self.srcs)) != i
+        self.srcs, self.dsts, self.rows = self.srcs[keep], self.dsts[keep], self.rows[keep]
+        return cols
 
     def report(self, results: list[bool]) -> None:
         """A copy batch's results, written where its caller reads them."""

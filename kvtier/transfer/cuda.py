@@ -11,9 +11,9 @@ waited for the batch that used it. No device-wide synchronize.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvtier.tiers.pinned import HostArena
@@ -50,10 +50,10 @@ class _CudaHandler(TransferHandler):
             extra.record_stream(self._stream)
         return extra
 
-    def _index(self, values: list[int]) -> torch.Tensor:
+    def _index(self, values: np.ndarray) -> torch.Tensor:
         # From pinned memory: a pageable source makes the copy synchronous, and the host would
         # wait for the previous batch's DMA on this stream, undoing the double buffering.
-        packed = torch.frombuffer(array("q", values), dtype=torch.long)  # one C-level pass
+        packed = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
         pinned = self._indices[self._turn ^ 1]  # this batch's turn (flipped at launch)
         if len(values) > pinned.numel():
             return packed.pin_memory().to(self._device, non_blocking=True)
@@ -71,7 +71,7 @@ class _CudaHandler(TransferHandler):
         with torch.cuda.device(self._device), torch.cuda.stream(self._entry):
             for event in batch.ready:
                 self._entry.wait_event(event)
-            if batch.srcs:
+            if len(batch.srcs):
                 self._copy(batch)
             done.record(self._stream)
         n = len(batch)
@@ -103,18 +103,18 @@ class CudaOffload(_CudaHandler):
     def _copy(self, batch: Moves) -> None:
         pool, size, srcs = batch.pool, batch.page_size, batch.srcs
         assert pool is not None, "GPU<->CPU batch without a pool"
-        runs = self._arena.runs(size, batch.dsts)
-        order = srcs if len(runs) == 1 else [srcs[p] for _, pos in runs for p in pos]
+        runs = self._arena.runs_array(size, batch.dsts)
+        order = srcs if len(runs) == 1 else _in_run_order(srcs, runs)
         staging = self._buffer(len(srcs), size)
         gather(pool.segments, self._index(order), staging)
         gathered = torch.cuda.Event()
         gathered.record(self._entry)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(gathered)
-            start = 0
-            for view, positions in runs:
-                view.copy_(staging[start : start + len(positions)], non_blocking=True)
-                start += len(positions)
+            at = 0
+            for view, lo, hi in runs:
+                view.copy_(staging[at : at + hi - lo], non_blocking=True)
+                at += hi - lo
 
 
 class CudaRestore(_CudaHandler):
@@ -126,11 +126,16 @@ class CudaRestore(_CudaHandler):
         # One stream: measured on the H100, a separate scatter stream slowed 64-256 KiB restores.
         pool, size, dsts = batch.pool, batch.page_size, batch.dsts
         assert pool is not None, "GPU<->CPU batch without a pool"
-        runs = self._arena.runs(size, batch.srcs)
+        runs = self._arena.runs_array(size, batch.srcs)
         staging = self._buffer(len(dsts), size)
         at = 0
-        for view, positions in runs:
-            staging[at : at + len(positions)].copy_(view, non_blocking=True)
-            at += len(positions)
-        order = dsts if len(runs) == 1 else [dsts[p] for _, pos in runs for p in pos]
+        for view, lo, hi in runs:
+            staging[at : at + hi - lo].copy_(view, non_blocking=True)
+            at += hi - lo
+        order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
         scatter(pool.segments, self._index(order), staging)
+
+
+def _in_run_order(values: np.ndarray, runs: list[tuple[torch.Tensor, int, int]]) -> np.ndarray:
+    """``values`` reordered as the runs list their positions (runs cover every position once)."""
+    return np.concatenate([values[lo:hi] for _, lo, hi in runs])

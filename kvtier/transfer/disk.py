@@ -17,8 +17,8 @@ class DiskWrite(TransferHandler):
         self._arena, self._disk = arena, disk
 
     def run(self, batch: Moves) -> list[bool]:
-        rows = self._arena.rows(batch.page_size, batch.srcs)
-        return list(self._disk.write(batch.page_size, batch.dsts, rows).result())
+        rows = self._arena.rows(batch.page_size, batch.srcs.tolist())
+        return list(self._disk.write(batch.page_size, batch.dsts.tolist(), rows).result())
 
 
 class DiskRead(TransferHandler):
@@ -30,5 +30,5 @@ class DiskRead(TransferHandler):
         self._arena, self._disk = arena, disk
 
     def run(self, batch: Moves) -> list[bool]:
-        rows = self._arena.rows(batch.page_size, batch.dsts)
-        return list(self._disk.read(batch.page_size, batch.srcs, rows).result())
+        rows = self._arena.rows(batch.page_size, batch.dsts.tolist())
+        return list(self._disk.read(batch.page_size, batch.srcs.tolist(), rows).result())

@@ -25,10 +25,10 @@ class _HostCopy(TransferHandler):
         assert pool is not None, "GPU<->CPU batch without a pool"
         restore = self.direction is Direction.CPU_TO_GPU
         rows, host = (batch.dsts, batch.srcs) if restore else (batch.srcs, batch.dsts)
-        idx = torch.tensor(rows, dtype=torch.long)
-        for view, positions in self._arena.runs(batch.page_size, host):
+        idx = torch.from_numpy(rows)
+        for view, lo, hi in self._arena.runs_array(batch.page_size, host):
             # A run's positions are consecutive: a slice, not a per-position index.
-            self._copy(pool.segments, idx[positions.start : positions.stop], view)
+            self._copy(pool.segments, idx[lo:hi], view)
         return [True] * len(batch)
 
     def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:
