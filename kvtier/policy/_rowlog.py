@@ -47,14 +47,13 @@ class RowLog:
         self._rows[: self.end] = kept_rows
         self._stamps[: self.end] = kept_stamps
 
-    def squeeze(self, keep: np.ndarray, stop: int) -> None:
-        """Drop the entries in ``[head, stop)`` but those at the ascending indices ``keep``.
+    def squeeze(self, rows: np.ndarray, stamps: np.ndarray, stop: int) -> None:
+        """Replace the entries in ``[head, stop)`` by ``(rows, stamps)``, moved up to end at
+        ``stop``; the head moves to the first of them (to ``stop`` when there are none).
 
-        The kept entries move up, in order, to end at ``stop``; the head moves to the first of
-        them (to ``stop`` when none is kept).
+        The new entries must be some of the replaced ones, in log order.
         """
-        rows, stamps = self._rows[keep], self._stamps[keep]
-        self.head = stop - len(keep)
+        self.head = stop - len(rows)
         self._rows[self.head : stop] = rows
         self._stamps[self.head : stop] = stamps
 

@@ -26,6 +26,7 @@ and ``remove`` are O(batch) numpy operations.
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, overload
 
 import numpy as np
@@ -86,7 +87,9 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
         self._remove(self._in_range(rows if isinstance(rows, np.ndarray) else _one(rows)))
 
     @overload
-    def evict(self, n: int, protected: Container[PageId]) -> list[PageId] | None: ...
+    def evict(
+        self, n: int, protected: Container[PageId], *, partial: bool = False
+    ) -> list[PageId] | None: ...
     @overload
     def evict(
         self, n: int, protected: RowFilter, *, partial: bool = False
@@ -96,7 +99,7 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
     ) -> list[PageId] | np.ndarray | None:
         """Row form when ``protected`` is a callable, per-page form when it is a container."""
         if isinstance(protected, Container):
-            victims = self._evict(n, _container_filter(protected), partial=False)
+            victims = self._evict(n, _container_filter(protected), partial=partial)
             return None if victims is None else [PageId(v) for v in victims.tolist()]
         return self._evict(n, protected, partial=partial)
 
@@ -170,48 +173,38 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
         n = min(n, self._count)
         if n == 0:
             return np.empty(0, dtype=np.int64)
-        victims, left, live, stop = self._scan(n, protected)
+        scan = self._scan(n, protected)
+        victims = _joined(scan.victims)
         if len(victims) < n and not partial:
-            self._log.squeeze(live, stop)  # drops dead entries only: no visible change
+            self._compact()  # the log was walked to its end: drop the dead entries met
             return None
         self._tracked[victims] = False
         self._count -= len(victims)
-        self._log.squeeze(left, stop)
+        self._log.squeeze(_joined(scan.kept_rows), _joined(scan.kept_stamps), scan.stop)
         if self._count == 0:
             self._log.clear()
         return victims
 
-    def _scan(self, n: int, protected: RowFilter) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Up to ``n`` unprotected live rows from the log head, oldest first.
-
-        Also returns the log indices of the live entries scanned that are left once those rows
-        go, of all live entries scanned, and where the scan stopped: squeezing the scanned part
-        of the log to the entries left keeps the next scan from walking the dead ones again.
-        """
-        log, start, width = self._log, self._log.head, max(2 * n, _MIN_WINDOW)
-        found: list[np.ndarray] = []
-        left: list[np.ndarray] = []
-        live: list[np.ndarray] = []
-        need = n
-        while need and start < log.end:
-            stop = min(start + width, log.end)
-            idx, rows = self._live(start, stop)
+    def _scan(self, n: int, protected: RowFilter) -> _Scan:
+        """Up to ``n`` unprotected live rows from the log head, oldest first (see ``_Scan``)."""
+        log, scan = self._log, _Scan(stop=self._log.head)
+        width = max(2 * n, _MIN_WINDOW)
+        while n and scan.stop < log.end:
+            start, stop = scan.stop, min(scan.stop + width, log.end)
+            rows, stamps = log.window(start, stop)
+            live = np.flatnonzero(self._tracked[rows] & (self._stamp[rows] == stamps))
+            rows, stamps = rows[live], stamps[live]
             guarded = np.asarray(protected(rows), dtype=bool) if len(rows) else rows < 0
-            free = np.flatnonzero(~guarded)[:need]
-            stays = np.ones(len(rows), dtype=bool)
-            stays[free] = False
-            found.append(rows[free])
-            left.append(idx[stays])
-            live.append(idx)
-            need -= len(free)
-            start, width = stop, 2 * width
-        return _joined(found), _joined(left), _joined(live), start
-
-    def _live(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Log indices and rows of the live entries in ``[start, stop)``."""
-        rows, stamps = self._log.window(start, stop)
-        live = np.flatnonzero(self._tracked[rows] & (self._stamp[rows] == stamps))
-        return live + start, rows[live]
+            free = np.flatnonzero(~guarded)[:n]
+            n -= len(free)
+            if not n:  # stop right after the last victim: later entries stay as they are
+                stop = start + int(live[free[-1]]) + 1
+                guarded[free[-1] :] = False
+            scan.victims.append(rows[free])
+            scan.kept_rows.append(rows[guarded])
+            scan.kept_stamps.append(stamps[guarded])
+            scan.stop, width = stop, 2 * width
+        return scan
 
     def _stamps(self, k: int) -> np.ndarray:
         stamps = np.arange(self._clock, self._clock + k, dtype=np.int64)
@@ -220,11 +213,14 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
 
     def _logged(self, rows: np.ndarray, stamps: np.ndarray) -> None:
         """Log fresh stamps; compact the log once stale entries dominate it."""
-        log = self._log
-        log.append(rows, stamps)
-        if len(log) > 2 * self._count + _SLACK:
-            rows_all, stamps_all = log.window(log.head, log.end)
-            log.keep(self._tracked[rows_all] & (self._stamp[rows_all] == stamps_all))
+        self._log.append(rows, stamps)
+        if len(self._log) > 2 * self._count + _SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep only the live log entries."""
+        rows, stamps = self._log.window(self._log.head, self._log.end)
+        self._log.keep(self._tracked[rows] & (self._stamp[rows] == stamps))
 
     def _in_range(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` without those that can't be tracked (negative or never seen)."""
@@ -243,6 +239,22 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
         tracked = np.zeros(capacity, dtype=bool)
         tracked[: len(self._tracked)] = self._tracked
         self._stamp, self._tracked = stamp, tracked
+
+
+@dataclass(slots=True)
+class _Scan:
+    """What an eviction scan of the log found, oldest first, window by window.
+
+    ``victims``: unprotected live rows, at most ``n``. ``kept_*``: the live entries scanned that
+    are not victims (protected ones). ``stop``: the scan covered the log from its head up to
+    here, the last victim included. Squeezing that part to the kept entries keeps the next scan
+    from walking the dead ones again.
+    """
+
+    stop: int
+    victims: list[np.ndarray] = field(default_factory=list)
+    kept_rows: list[np.ndarray] = field(default_factory=list)
+    kept_stamps: list[np.ndarray] = field(default_factory=list)
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

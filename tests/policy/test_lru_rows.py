@@ -165,7 +165,7 @@ class RowLRUMachine(RuleBasedStateMachine):
 
 @pytest.mark.parametrize(("slack", "window"), [(1024, 64), (0, 1)])
 def test_row_state_machine(monkeypatch: pytest.MonkeyPatch, slack: int, window: int) -> None:
-    """Also with compaction on nearly every call and one-entry first scan windows."""
+    """Also with compaction on nearly every call and the smallest first scan windows."""
     monkeypatch.setattr(lru, "_SLACK", slack)
     monkeypatch.setattr(lru, "_MIN_WINDOW", window)
     run_state_machine_as_test(
