@@ -65,7 +65,7 @@ class Residency:
             if n > pool.num_slots - pool.pinned:
                 return None
             while pool.dev.num_free < n:
-                self._make_room(pool, n - pool.dev.num_free)
+                make_room(core, pool, n - pool.dev.num_free)
                 if not self._wait(deadline):
                     return None
             slots = pool.dev.take(n)
@@ -190,9 +190,6 @@ class Residency:
         core = self._core
         core.unpin(pool, rows)
         core.table.ready[rows] = core.ready.record()
-
-    def _make_room(self, pool: Pool, n: int) -> None:
-        make_room(self._core, pool, n)
 
     def _wait(self, deadline: float) -> bool:
         remaining = deadline - time.monotonic()

@@ -1,20 +1,12 @@
-"""Per-batch helpers of the engine core: grouping, batch split/join/cancel, lane takes, counters."""
+"""Per-batch helpers of the engine core: batch split/join/cancel, lane takes, counters."""
 
 from __future__ import annotations
 
-from kvtier.batches import split_by
 from kvtier.scheduler import _Lane
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction
 
 DOWN = Direction.GPU_TO_CPU
-
-
-def test_split_by_keeps_first_seen_key_order_and_order_within_parts() -> None:
-    assert split_by([]) == []
-    assert split_by([7, 7, 7], ["a", "b", "c"], [1, 2, 3]) == [(7, [["a", "b", "c"], [1, 2, 3]])]
-    parts = split_by([2, 1, 2, 3, 1], ["a", "b", "c", "d", "e"])
-    assert parts == [(2, [["a", "c"]]), (1, [["b", "e"]]), (3, [["d"]])]
 
 
 def _raw(size: int, cols: range, **kw: object) -> Moves:
