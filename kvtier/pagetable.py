@@ -114,11 +114,11 @@ class PageTable:
     def id_of(self, row: int) -> PageId:
         return PageId(int(self.gen[row]) << ROW_BITS | int(row))
 
-    def rows(self, pool_id: PoolId, page_ids: Sequence[int]) -> np.ndarray:
+    def rows(self, pool_id: PoolId, page_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The rows of ``pool_id``'s pages, in order; ``NotFound`` naming the first bad id (an
         unknown or stale id, or a page of another pool)."""
         try:
-            ids = np.array(page_ids, dtype=np.int64)
+            ids = np.asarray(page_ids, dtype=np.int64)
         except OverflowError:
             bad = next(i for i in page_ids if i >= 1 << 63)
             raise NotFound(f"page {bad} not found in pool {pool_id}") from None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import array
 import math
 import re
 from collections.abc import Sequence
-from typing import cast
 
-from kvtier.errors import InvalidArgument
-from kvtier.types import PageId
+import numpy as np
+
+from kvtier.errors import InvalidArgument, NotFound
 
 MAX_IDS = 1 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
@@ -35,19 +36,48 @@ def check_priority(field: str, value: object) -> float:
     return float(value)
 
 
-def check_ids(field: str, ids: Sequence[int]) -> list[PageId]:
-    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+def check_ids(field: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Page ids as an ``int64`` array, converted once in C (a million ids in a few ms).
+
+    Accepts a sequence of integers (Python ints, or anything with ``__index__`` such as numpy
+    integers; ``bool`` counts as an int, as in Python) or a 1-D integer ndarray. Raises
+    ``InvalidArgument`` naming ``field`` for an empty, oversized or non-integer list or an id
+    <= 0, and ``NotFound`` for an id of 2**63 or more (no page can have it).
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            got = f"{ids.dtype} {ids.shape}"
+            raise InvalidArgument(field, f"must be a 1-D integer array, got {got}")
+        if ids.dtype.kind == "u" and len(ids) and int(ids.max()) >= 1 << 63:
+            raise NotFound(f"page {int(ids.max())} not found")
+        arr = ids.astype(np.int64, copy=False)
+    elif isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
         raise InvalidArgument(field, "must be a list of page ids")
-    if not ids:
+    else:
+        arr = _int64s(field, ids)
+    if not len(arr):
         raise InvalidArgument(field, "must not be empty")
+    if len(arr) > MAX_IDS:
+        raise InvalidArgument(field, f"at most {MAX_IDS} ids per call, got {len(arr)}")
+    low = int(arr.argmin())
+    if arr[low] <= 0:
+        raise InvalidArgument(field, f"ids must be positive integers, got {int(arr[low])}")
+    return arr
+
+
+def _int64s(field: str, ids: Sequence[int]) -> np.ndarray:
     if len(ids) > MAX_IDS:
         raise InvalidArgument(field, f"at most {MAX_IDS} ids per call, got {len(ids)}")
-    if set(map(type, ids)) == {int} and min(ids) > 0:  # the common case, checked in C
-        return cast("list[PageId]", list(ids))  # PageId is an int at run time
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or i <= 0:
-            raise InvalidArgument(field, f"ids must be positive integers, got {i!r}")
-    return [PageId(i) for i in ids]
+    try:
+        return np.frombuffer(array.array("q", ids), dtype=np.int64)
+    except TypeError:
+        bad = next(i for i in ids if not hasattr(type(i), "__index__"))
+        raise InvalidArgument(field, f"ids must be positive integers, got {bad!r}") from None
+    except OverflowError:
+        bad = next(i for i in ids if not -(1 << 63) <= i < 1 << 63)
+        if bad < 0:
+            raise InvalidArgument(field, f"ids must be positive integers, got {bad}") from None
+        raise NotFound(f"page {bad} not found") from None
 
 
 def check_slots(field: str, slots: Sequence[int], num_slots: int) -> list[int]:
