@@ -66,6 +66,18 @@ INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the cal
 _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into one int64
 
 
+def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in chunks of 1, 1, 2, 4, ... times ``step`` items: the first batch's copies
+    start at once, and each later chunk is prepared while the lanes copy the ones before it,
+    in a handful of passes whatever ``n``."""
+    out, lo, size = [], 0, step
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = step if len(out) == 1 else 2 * size
+    return out
+
+
 class EngineCore:
     """State and mechanism shared by the public engine, prefix store and watermark thread."""
 
@@ -95,6 +107,7 @@ class EngineCore:
         self.disk_policy: dict[int, RowPolicy] = {}
         self.ready = ReadyEvents(self.device)
         self.restore_waiters = 0  # acquires waiting on a restore (offload completions yield)
+        self.restores_ended = 0  # CPU->GPU moves completed or cancelled (acquires count them)
         self.admission = create_admission(config.disk_admission)
         self.closed = False
         handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
@@ -104,6 +117,7 @@ class EngineCore:
             batch_bytes=config.batch_bytes,
             max_inflight_bytes=config.max_inflight_mb * MIB,
             on_complete=self.complete,
+            try_complete=self.try_complete,
         )
         self.cascade = Cascade(self)
         self.bulk = BulkMoves(self)
@@ -267,21 +281,23 @@ class EngineCore:
         *,
         urgent: bool,
         out: list[Moves] | None = None,
+        chunked: bool = True,
     ) -> int:
-        """Queue moves of ``rows`` (as many as there are ``dsts``) a batch at a time, so copies
-        start while the rest is prepared. With ``out`` the batches are collected there instead
-        (the caller runs them)."""
+        """Queue moves of ``rows`` (as many as there are ``dsts``) in growing chunks (a lane
+        splits each into batches). With ``out`` the batches are collected there instead (the
+        caller runs them). ``chunked=False``: one pass (the caller chunks)."""
         rows = rows[: len(dsts)]
-        if len(rows):
-            step = max(1, self.config.batch_bytes // int(self.table.size[rows[0]]))
-            for i in range(0, len(rows), step):
-                part, part_dsts = rows[i : i + step], dsts[i : i + step]
-                batches = self.bulk.prepare(part, direction, part_dsts, urgent)
-                if out is None:
-                    self.scheduler.submit(batches)
-                else:
-                    out += batches
+        chunks = growing_chunks(len(rows), self._batch_pages(rows)) if chunked else [(0, len(rows))]
+        for lo, hi in chunks:
+            batches = self.bulk.prepare(rows[lo:hi], direction, dsts[lo:hi], urgent)
+            if out is None:
+                self.scheduler.submit(batches)
+            else:
+                out += batches
         return len(rows)
+
+    def _batch_pages(self, rows: np.ndarray) -> int:
+        return max(1, self.config.batch_bytes // int(self.table.size[rows[0]])) if len(rows) else 1
 
     def offload(self, rows: np.ndarray, *, urgent: bool = False) -> int:
         """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
@@ -292,12 +308,13 @@ class EngineCore:
         queued = 0
         for size, pos in by_value(t.size[todo]):
             group = todo if len(pos) == len(todo) else todo[pos]
-            # CPU slots a batch at a time: the first copies start before the rest is prepared.
-            step = max(1, self.config.batch_bytes // size)
-            for i in range(0, len(group), step):
-                part = group[i : i + step]
+            # CPU slots a chunk at a time: the first copies start before the rest is prepared.
+            for lo, hi in growing_chunks(len(group), self._batch_pages(group)):
+                part = group[lo:hi]
                 slots = self.cascade.cpu_slots(size, len(part))
-                queued += self.start_many(part, Direction.GPU_TO_CPU, slots, urgent=urgent)
+                queued += self.start_many(
+                    part, Direction.GPU_TO_CPU, slots, urgent=urgent, chunked=False
+                )
                 if len(slots) < len(part):
                     return queued
         return queued
@@ -346,24 +363,46 @@ class EngineCore:
         finished in smaller chunks and yields between them, so the restore's own steps
         (start, completion, pin) never queue behind a whole offload batch.
         """
-        restoring = batch.direction.is_restore
-        n, start = len(batch), 0
-        while True:
-            step = COMPLETE_CHUNK if restoring or not self.restore_waiters else YIELD_CHUNK
-            with self.cond:
-                frees = Frees()
-                self.bulk.finish(batch, start, min(n, start + step), results, frees)
-                frees.apply(self)
-                start += step
-                if start >= n:  # the last chunk also counts the batch
-                    self._count(batch, results, seconds)
-                    if batch.copy:
-                        batch.report(results)
-                self.cond.notify_all()
-            if start >= n:
-                return
-            if self.restore_waiters and not restoring:
+        with self.cond:
+            start = self._complete_chunk(batch, results, seconds, 0)
+        self._complete_from(batch, results, seconds, start)
+
+    def try_complete(self, batch: Moves, results: list[bool], seconds: float) -> bool:
+        """``complete`` if the engine lock is free now; False (nothing done) if it is held. A
+        lane uses it to keep launching copies while a caller holds the lock."""
+        if not self.cond.acquire(blocking=False):
+            return False
+        try:
+            start = self._complete_chunk(batch, results, seconds, 0)
+        finally:
+            self.cond.release()
+        self._complete_from(batch, results, seconds, start)
+        return True
+
+    def _complete_from(self, batch: Moves, results: list[bool], seconds: float, start: int) -> None:
+        while start < len(batch):
+            if self.restore_waiters and not batch.direction.is_restore:
                 time.sleep(YIELD_S)
+            with self.cond:
+                start = self._complete_chunk(batch, results, seconds, start)
+
+    def _complete_chunk(self, batch: Moves, results: list[bool], seconds: float, start: int) -> int:
+        """Columns from ``start`` on, one chunk (lock held); returns where the next one starts."""
+        n = len(batch)
+        restoring = batch.direction.is_restore
+        step = COMPLETE_CHUNK if restoring or not self.restore_waiters else YIELD_CHUNK
+        end = min(n, start + step)
+        frees = Frees()
+        self.bulk.finish(batch, start, end, results, frees)
+        if batch.direction is Direction.CPU_TO_GPU:
+            self.restores_ended += end - start
+        frees.apply(self)
+        if end >= n:  # the last chunk also counts the batch
+            self._count(batch, results, seconds)
+            if batch.copy:
+                batch.report(results)
+        self.cond.notify_all()
+        return end
 
     def _count(self, batch: Moves, results: list[bool], seconds: float) -> None:
         if not len(batch):
@@ -376,20 +415,30 @@ class EngineCore:
         c.batches += 1
         c.seconds += seconds
 
-    def cancel(self, row: int) -> bool:
-        """Take back a queued (not started) move: the page stays where it was."""
-        batch = self.table.move[row]
-        cols = self.scheduler.cancel(batch, row) if batch is not None else None
-        if batch is None or cols is None:
-            return False
-        self.counters.cancelled_offloads += int(not batch.direction.is_restore)
-        frees = Frees()
-        one = np.array([row], dtype=np.int64)
-        src, dst = (np.array([c], dtype=np.int64) for c in cols)
-        failed = np.zeros(1, dtype=bool)
-        self.bulk.finish_cols(batch.direction, one, src, dst, failed, frees, corrupt=False)
-        frees.apply(self)
-        return True
+    def cancel(self, rows: np.ndarray) -> np.ndarray:
+        """Take back the queued (not started) moves of ``rows``: those pages stay where they
+        were. Returns the rows cancelled; the others' moves are under way (or there are none).
+        One pass per distinct batch, whatever the number of rows."""
+        moves = self.table.move[rows]
+        live = np.flatnonzero(moves != None)  # noqa: E711 - elementwise over an object column
+        if not len(live):
+            return rows[:0]
+        keys = np.fromiter(map(id, moves[live].tolist()), dtype=np.int64, count=len(live))
+        done: list[np.ndarray] = []
+        for _key, pos in by_value(keys):
+            batch: Moves = moves[live[pos[0]]]
+            got, srcs, dsts = self.scheduler.cancel(batch, rows[live[pos]])
+            if not len(got):
+                continue
+            self.counters.cancelled_offloads += 0 if batch.direction.is_restore else len(got)
+            if batch.direction is Direction.CPU_TO_GPU:
+                self.restores_ended += len(got)
+            frees = Frees()
+            failed = np.zeros(len(got), dtype=bool)
+            self.bulk.finish_cols(batch.direction, got, srcs, dsts, failed, frees, corrupt=False)
+            frees.apply(self)
+            done.append(got)
+        return np.concatenate(done) if done else rows[:0]
 
     def set_disk_records(self, rows: np.ndarray, page_size: int) -> None:
         """Keyed pages that reached the disk: their records make them findable after a restart."""

@@ -178,9 +178,11 @@ class TierEngine:
         core, t = self._core, self._core.table
         states = t.state[rows]
         moving = (states == S_DOWN) | (states == S_UP)
-        for row in rows[moving].tolist():
-            if not core.cancel(row):
-                t.doomed[row] = True
+        going = rows[moving]
+        if len(going):
+            core.cancel(going)
+            states = t.state[going]
+            t.doomed[going[(states == S_DOWN) | (states == S_UP)]] = True  # under way: at its end
         rows = rows[~t.doomed[rows]]
         ids, pools = t.ids(rows).tolist(), t.pool[rows].tolist()
         core.release(rows)

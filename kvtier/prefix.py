@@ -212,8 +212,7 @@ class PrefixStore:
                 on_disk = rows[states == S_DISK]
                 if len(on_disk):
                     core.restore_disk(on_disk)
-                for row in rows[states == S_DOWN].tolist():
-                    core.cancel(row)
+                core.cancel(rows[states == S_DOWN])
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
                 core.cond.wait(0.05)

@@ -25,7 +25,7 @@ from kvtier.errors import (
     NotFound,
     PageLost,
 )
-from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED, S_GPU
+from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_priority
@@ -238,8 +238,7 @@ class _Acquire:
         core.protect(self.rows)  # neither cascade may push these down meanwhile
         counted = False
         try:
-            for row in self.pending[t.state[self.pending] == S_DOWN].tolist():
-                core.cancel(row)  # back on the GPU: ``land`` pins it
+            core.cancel(self.pending[t.state[self.pending] == S_DOWN])  # ``land`` pins them
             if len(self.pending):
                 core.restore_waiters += 1
                 counted = True
@@ -247,7 +246,7 @@ class _Acquire:
                 self._start_up()
                 if not self._still_waiting():  # a small restore runs inline
                     break
-                if not _wait(core, deadline):
+                if not self._wait_landings(deadline):
                     raise DeadlineExceeded(f"acquire of {len(self.rows)} pages timed out")
         except BaseException:
             self._undo()
@@ -282,6 +281,25 @@ class _Acquire:
         lost = t.state[rows] == S_DROPPED
         if lost.any():
             raise PageLost(f"pages {self._ids(rows[lost])} were dropped and must be recomputed")
+        return True
+
+    def _wait_landings(self, deadline: float) -> bool:
+        """Wait for progress (False: the deadline passed). While every pending page is on its
+        way CPU -> GPU, nothing can change for them but the end of those moves, so wake-ups
+        look again only once that many restore moves have ended (or a wait times out): a
+        large acquire no longer re-reads its pages, holding the lock, at every batch."""
+        core, t, pending = self.core, self.core.table, self.pending
+        if not ((t.state[pending] == S_UP) & (t.tier[pending] == Tier.CPU)).all():
+            return _wait(core, deadline)
+        seen = core.restores_ended
+        while core.restores_ended - seen < len(pending):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            woke = core.cond.wait(min(remaining, 0.05))
+            core.check_open()
+            if not woke:
+                break
         return True
 
     def _ids(self, rows: np.ndarray) -> list[int]:

@@ -10,10 +10,11 @@ Contract:
       batches of their kind, first in, first out.
     * A lane takes one batch at a time: up to ``batch_bytes`` from the head of its first non-empty
       queue (a larger queued batch is split, smaller compatible ones are joined), and launches
-      the next batch before waiting on the previous one (two batches in flight). Bytes in flight
+      the next batches before waiting on the oldest (up to its handlers' ``depth`` in flight:
+      three on CUDA, two on disk and CPU mode). Bytes in flight
       across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
-    * ``cancel(batch, row)`` takes page ``row``'s column out of a still-queued batch and returns its
-      ``(src, dst)``, or None when the batch was already taken.
+    * ``cancel(batch, rows)`` takes the columns of page-table ``rows`` out of a still-queued batch
+      and returns them as ``(rows, srcs, dsts)`` (empty when the batch was already taken).
     * ``on_complete(batch, results, seconds)`` is called on the lane thread after every batch,
       including failed ones (all False) and, on ``close``, every batch still queued (all False).
       The scheduler never reads a batch again once it was completed.
@@ -27,12 +28,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from kvtier.errors import Unavailable
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
 
 log = logging.getLogger(__name__)
+_NONE = np.empty(0, dtype=np.int64)
 CompleteFn = Callable[[Moves, list[bool], float], None]
+TryCompleteFn = Callable[[Moves, list[bool], float], bool]
 _LANE_OF = {
     Direction.CPU_TO_GPU: "up",
     Direction.GPU_TO_CPU: "down",
@@ -62,6 +67,7 @@ class _Lane:
         self.name = name
         self.queues: tuple[deque[Moves], ...] = (deque(), deque(), deque(), deque())
         self.thread: threading.Thread | None = None
+        self.depth = 2  # batches in flight: the least its handlers allow
 
     def queue_for(self, batch: Moves) -> deque[Moves]:
         return self.queues[(0 if batch.urgent else 1) + (0 if batch.direction.is_restore else 2)]
@@ -106,8 +112,10 @@ class TransferScheduler:
         batch_bytes: int,
         max_inflight_bytes: int,
         on_complete: CompleteFn,
+        try_complete: TryCompleteFn | None = None,
     ) -> None:
         self._handlers = dict(handlers)
+        self._try_complete = try_complete
         self._batch_bytes = batch_bytes
         self._max_inflight = max(max_inflight_bytes, batch_bytes)
         self._on_complete = on_complete
@@ -116,6 +124,9 @@ class TransferScheduler:
         self._inflight = 0
         self._closed = False
         self._last_end: dict[Direction, float] = {}
+        for name, lane in self._lanes.items():
+            mine = [h.depth for d, h in self._handlers.items() if _LANE_OF[d] == name]
+            lane.depth = max(1, min(mine, default=2))
         for lane in self._lanes.values():
             lane.thread = threading.Thread(
                 target=self._loop, args=(lane,), name=f"kvtier-{lane.name}", daemon=True
@@ -136,15 +147,15 @@ class TransferScheduler:
                     self._lanes[_LANE_OF[batch.direction]].queue_for(batch).append(batch)
             self._cond.notify_all()
 
-    def cancel(self, batch: Moves, row: int) -> tuple[int, int] | None:
-        """Page ``row``'s ``(src, dst)``, taken out of ``batch`` if it is still queued, else
-        None."""
+    def cancel(self, batch: Moves, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The columns of page-table ``rows`` taken out of ``batch`` while it is still queued,
+        as ``(rows, srcs, dsts)``; empty for a batch already taken (its copies may be running)."""
         with self._cond:
             queue = self._lanes[_LANE_OF[batch.direction]].queue_for(batch)
             if not any(b is batch for b in queue):
-                return None
-            cols = batch.remove(row)
-            if cols is not None and not len(batch.srcs):
+                return _NONE, _NONE, _NONE
+            cols = batch.remove(rows)
+            if not len(batch.srcs):
                 queue.remove(batch)
             return cols
 
@@ -161,22 +172,31 @@ class TransferScheduler:
 
     # -- lanes ------------------------------------------------------------------------------------
     def _loop(self, lane: _Lane) -> None:
-        """Launch batch i+1 before waiting on batch i, so Python work hides behind the copies."""
-        pending: _Pending | None = None
+        """Launch the next batches before waiting on the oldest (up to the lane's depth in
+        flight), so Python work and hold-ups hide behind the copies. A copied batch whose
+        completion cannot run at once (``try_complete`` refused: a caller holds the engine lock)
+        waits in ``done`` while the lane keeps launching; it is completed, in order, as soon as
+        it can be, and always before the lane sleeps."""
+        pending: deque[_Pending] = deque()
+        done: deque[tuple[_Pending, list[bool], float]] = deque()
         while True:
             batch: Moves | None = None
             with self._cond:
-                while not self._closed and pending is None and not self._ready(lane):
+                while not self._closed and not pending and not done and not self._ready(lane):
                     self._cond.wait()
-                if self._closed and pending is None:
+                if self._closed and not pending and not done:
                     return
-                if not self._closed and self._ready(lane):
+                more = not self._closed and self._ready(lane)
+                if more and len(pending) < lane.depth:
                     batch = lane.take(self._batch_bytes)
                     self._inflight += batch.nbytes
-            launched = self._launch(batch) if batch is not None else None
-            if pending is not None:
-                self._finish(pending)
-            pending = launched
+            if batch is not None:
+                pending.append(self._launch(batch))
+                if len(pending) < lane.depth:
+                    continue  # more may be ready: launch before waiting
+            if pending:
+                done.append(self._wait(pending.popleft()))
+            self._complete(done, block=not pending and not more)
 
     def _ready(self, lane: _Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
@@ -195,7 +215,8 @@ class TransferScheduler:
             waiter = _failed(len(batch))
         return _Pending(batch, waiter, start)
 
-    def _finish(self, pending: _Pending) -> None:
+    def _wait(self, pending: _Pending) -> tuple[_Pending, list[bool], float]:
+        """Wait for a launched batch's copies: its results and busy seconds."""
         batch = pending.batch
         try:
             results = pending.waiter()
@@ -208,13 +229,25 @@ class TransferScheduler:
         direction = pending.direction
         busy = end - max(pending.start, self._last_end.get(direction, 0.0))
         self._last_end[direction] = end
-        try:
-            self._on_complete(batch, results, busy)
-        except Exception:  # the engine's completion must never kill a lane
-            log.exception("completing a %s batch failed", direction.name)
-        with self._cond:
-            self._inflight -= pending.nbytes
-            self._cond.notify_all()
+        return pending, results, busy
+
+    def _complete(self, done: deque[tuple[_Pending, list[bool], float]], block: bool) -> None:
+        """Complete copied batches in order; without ``block``, stop at the first whose
+        completion would have to wait for the engine lock."""
+        while done:
+            pending, results, busy = done[0]
+            batch = pending.batch
+            try:
+                if block or self._try_complete is None:
+                    self._on_complete(batch, results, busy)
+                elif not self._try_complete(batch, results, busy):
+                    return
+            except Exception:  # the engine's completion must never kill a lane
+                log.exception("completing a %s batch failed", pending.direction.name)
+            done.popleft()
+            with self._cond:
+                self._inflight -= pending.nbytes
+                self._cond.notify_all()
 
     def close(self, grace: float = 10.0) -> None:
         """Finish batches in flight (bounded by ``grace``), fail everything still queued."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from kvtier.scheduler import TransferScheduler
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction
@@ -105,8 +107,8 @@ def test_cancel_removes_a_queued_column_and_close_fails_the_rest():
     wait_taken(sched)
     queued = mv(Direction.GPU_TO_CPU, range(1, 4), pages=pages[1:])
     sched.submit([queued])
-    assert sched.cancel(queued, pages[1]) == (1, 1)
-    assert sched.cancel(queued, pages[1]) is None
+    assert cols(sched.cancel(queued, np.array([pages[1], 99]))) == [[11], [1], [1]]
+    assert cols(sched.cancel(queued, np.array([pages[1]]))) == [[], [], []]
     assert sched.depth() == (0, 2)
     gate.set()
     sched.close(2)
@@ -120,11 +122,15 @@ def test_a_taken_batch_can_no_longer_be_cancelled():
     batch = mv(Direction.GPU_TO_CPU, range(4), pages=pages)
     sched.submit([batch])
     wait_taken_some(sched, 2)
-    assert sched.cancel(batch, pages[0]) is None  # split off, taken
-    assert sched.cancel(batch, pages[3]) == (3, 3)  # still queued
+    assert cols(sched.cancel(batch, np.array([pages[0]]))) == [[], [], []]  # split off, taken
+    assert cols(sched.cancel(batch, np.array([pages[3]]))) == [[13], [3], [3]]  # still queued
     gate.set()
     sched.close(2)
     assert sorted(done) == [0, 1, 2]
+
+
+def cols(got: tuple[np.ndarray, ...]) -> list[list[int]]:
+    return [a.tolist() for a in got]
 
 
 def wait_taken_some(sched: TransferScheduler, left: int) -> None:
@@ -160,5 +166,52 @@ def test_completed_batches_belong_to_the_engine():
                 break
             threading.Event().wait(0.005)
         assert sched.inflight_bytes == 0 and sorted(seen) == list(range(8))
+    finally:
+        sched.close(1)
+
+
+def test_a_lane_keeps_copying_while_completions_are_refused_and_completes_in_order():
+    """try_complete refusing (the engine lock is held) defers completions; copies go on."""
+    held = threading.Event()
+    held.set()
+    refused: list[int] = []
+    completed: list[int] = []
+
+    def try_complete(batch: Moves, results: list[bool], seconds: float) -> bool:
+        if held.is_set():
+            refused.append(int(batch.srcs[0]))
+            return False
+        completed.extend(batch.srcs.tolist())
+        return True
+
+    def complete(batch: Moves, results: list[bool], seconds: float) -> None:
+        while held.is_set():  # blocks as an acquire of the held lock would
+            threading.Event().wait(0.005)
+        completed.extend(batch.srcs.tolist())
+
+    log: list = []
+    gate = threading.Event()
+    gate.set()
+    handlers = {d: Gated(d, log, gate) for d in Direction}
+    sched = TransferScheduler(
+        handlers,
+        batch_bytes=4096,
+        max_inflight_bytes=1 << 20,
+        on_complete=complete,
+        try_complete=try_complete,
+    )
+    try:
+        sched.submit([mv(Direction.GPU_TO_CPU, range(6))])
+        for _ in range(1000):  # every batch copied while none could be completed
+            if len(log) == 6:
+                break
+            threading.Event().wait(0.005)
+        assert len(log) == 6 and refused and not completed
+        held.clear()
+        for _ in range(1000):
+            if sched.inflight_bytes == 0 and len(completed) == 6:
+                break
+            threading.Event().wait(0.005)
+        assert completed == list(range(6))  # in launch order
     finally:
         sched.close(1)

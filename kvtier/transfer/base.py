@@ -109,16 +109,16 @@ class Moves:
         self.rows = np.concatenate([self.rows, other.rows])
         self.ready += [e for e in other.ready if all(e is not r for r in self.ready)]
 
-    def remove(self, row: int) -> tuple[int, int] | None:
-        """Take page ``row``'s column out (a cancelled move): its ``(src, dst)``, or None."""
-        hit = np.flatnonzero(self.rows == row)
-        if not len(hit):
-            return None
-        i = int(hit[0])
-        cols = int(self.srcs[i]), int(self.dsts[i])
-        keep = np.arange(len(self.srcs)) != i
+    def remove(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Take the columns of page-table ``rows`` out (cancelled moves): their
+        ``(rows, srcs, dsts)``, empty when none of ``rows`` is in this batch. One pass."""
+        hit = np.isin(self.rows, rows)
+        if not hit.any():
+            return _NONE, _NONE, _NONE
+        taken = self.rows[hit], self.srcs[hit], self.dsts[hit]
+        keep = ~hit
         self.srcs, self.dsts, self.rows = self.srcs[keep], self.dsts[keep], self.rows[keep]
-        return cols
+        return taken
 
     def report(self, results: list[bool]) -> None:
         """A copy batch's results, written where its caller reads them."""
@@ -132,6 +132,7 @@ class TransferHandler(ABC):
     """Moves batches of pages in one direction. See the module docstring."""
 
     direction: Direction
+    depth = 2  # batches a lane may keep in flight on this handler (launched, not yet waited)
 
     @abstractmethod
     def run(self, batch: Moves) -> list[bool]: ...
@@ -139,8 +140,8 @@ class TransferHandler(ABC):
     def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         """Start a batch; the returned callable waits for it and gives its results.
 
-        Handlers that can overlap batches (CUDA streams, I/O threads) override this; at most two
-        batches of one handler are in flight, and they complete in launch order.
+        Handlers that can overlap batches (CUDA streams, I/O threads) override this; at most
+        ``depth`` batches of one handler are in flight, and they complete in launch order.
         """
         results = self.run(batch)
         return lambda: results

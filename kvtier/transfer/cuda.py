@@ -1,12 +1,14 @@
 """GPU<->CPU handlers on CUDA: one gather kernel + one DMA per contiguous host run, per batch.
 
 Each handler owns a CUDA stream (the offload a second one for its gather kernel, so a batch's
-gather runs while its neighbour's DMA does), two device staging buffers of
+gather runs while its neighbour's DMA does), ``depth`` device staging buffers of
 ``staging_bytes`` (the largest batch) and events. A batch first waits (on its streams, not the
 host) for the events the engine recorded when pages were last released, then copies, then
 records its event; the lane thread waits for that one event, so a slot is reused only after its
-bytes have landed. A staging buffer is reused two launches later, when the lane has already
-waited for the batch that used it. No device-wide synchronize.
+bytes have landed. A staging buffer is reused ``depth`` launches later, when the lane has
+already waited for the batch that used it (a lane keeps at most ``depth`` batches in flight).
+Three in flight, not two: a lane held up for a batch's time (the engine lock, the interpreter
+lock) still finds the copy engine busy when it comes back. No device-wide synchronize.
 """
 
 from __future__ import annotations
@@ -23,21 +25,25 @@ from kvtier.types import Direction
 
 
 class _CudaHandler(TransferHandler):
+    depth = 3
+
     def __init__(self, arena: HostArena, device: torch.device, staging_bytes: int) -> None:
         self._arena = arena
         self._device = device
         self._stream = torch.cuda.Stream(device)
         self._entry = self._stream  # the stream that first touches the pool's pages
-        # Two staging buffers: batch i+1 is launched while batch i's copies still run.
+        # Batches i+1.. are launched while batch i's copies still run: a buffer per batch.
         self._buffers = [
-            torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(2)
+            torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(self.depth)
         ]
         # Pinned index buffers, one per staging buffer: a batch's slot indices go up from one
-        # that the batch two launches back (completed by then) used.
+        # that the batch ``depth`` launches back (completed by then) used.
         rows = max(1, staging_bytes // 4096)
         pin = torch.cuda.is_available()
-        self._indices = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._turn = 0
+        self._indices = [
+            torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(self.depth)
+        ]
+        self._turn = 0  # the buffers of the batch being launched
         self._staging = self._buffers[0]
 
     def _buffer(self, rows: int, size: int) -> torch.Tensor:
@@ -54,7 +60,7 @@ class _CudaHandler(TransferHandler):
         # From pinned memory: a pageable source makes the copy synchronous, and the host would
         # wait for the previous batch's DMA on this stream, undoing the double buffering.
         packed = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        pinned = self._indices[self._turn ^ 1]  # this batch's turn (flipped at launch)
+        pinned = self._indices[self._turn]
         if len(values) > pinned.numel():
             return packed.pin_memory().to(self._device, non_blocking=True)
         host = pinned[: len(values)]
@@ -66,7 +72,6 @@ class _CudaHandler(TransferHandler):
 
     def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         self._staging = self._buffers[self._turn]
-        self._turn ^= 1
         done = torch.cuda.Event()
         with torch.cuda.device(self._device), torch.cuda.stream(self._entry):
             for event in batch.ready:
@@ -74,6 +79,7 @@ class _CudaHandler(TransferHandler):
             if len(batch.srcs):
                 self._copy(batch)
             done.record(self._stream)
+        self._turn = (self._turn + 1) % self.depth
         n = len(batch)
 
         def wait() -> list[bool]:
