@@ -8,6 +8,10 @@ every other slot of a pool) and reports, per page, the wall time spent inside ea
     * finish + frees: completion under the engine lock (page states, policies, slot frees);
 and the end-to-end time and GB/s. Stages are timed by wrapping the engine's own methods for the
 run; times include waits for the interpreter lock, so they show where the lanes are held up.
+``--timeline`` also prints, for the last round, when each batch was launched (l), waited for
+(s) and completed (c, including a refused try while a caller held the engine lock), as
+``stage@start+duration`` in ms from the API call, and when the call returned: a stalled
+pipeline shows as gaps.
 
     python benchmarks/stages.py --device cuda:0 --page-kib 64
     python benchmarks/stages.py                  # CPU mode, 16 KiB pages
@@ -19,6 +23,7 @@ import argparse
 import functools
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +34,13 @@ from bookkeeping import make_engine
 
 import kvtier.batches as batches
 import kvtier.bulk as bulk
+import kvtier.core as core
 import kvtier.scheduler as scheduler
 
 GIB = 1 << 30
 SPENT: dict[str, float] = {}
+EVENTS: list[tuple[float, str, str, float]] = []  # (start, thread, stage, seconds)
+TRACK = {"launch", "sync", "complete"}
 
 
 def timed_method(owner: Any, name: str, stage: str) -> None:
@@ -45,7 +53,10 @@ def timed_method(owner: Any, name: str, stage: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            SPENT[stage] = SPENT.get(stage, 0.0) + time.perf_counter() - start
+            spent = time.perf_counter() - start
+            SPENT[stage] = SPENT.get(stage, 0.0) + spent
+            if stage in TRACK:
+                EVENTS.append((start, threading.current_thread().name, stage, spent))
 
     setattr(owner, name, wrapper)
 
@@ -55,12 +66,23 @@ def instrument() -> None:
     timed_method(scheduler.TransferScheduler, "_launch", "launch")
     timed_method(bulk.BulkMoves, "finish", "finish")
     timed_method(batches.Frees, "apply", "frees")
+    timed_method(core.EngineCore, "complete", "complete")
+    timed_method(core.EngineCore, "try_complete", "complete")
     try:
         import torch
 
         timed_method(torch.cuda.Event, "synchronize", "sync")
     except (ImportError, AttributeError):
         pass
+
+
+def print_timeline(step: str, start: float, returned: float) -> None:
+    """Events of one call as ``stage@start+duration`` in ms, a line per thread."""
+    print(f"-- {step}: call returned at {returned * 1e3:.2f} ms")
+    for name in sorted({e[1] for e in EVENTS}):
+        mine = sorted(e for e in EVENTS if e[1] == name)
+        cells = [f"{s[0]}@{(t - start) * 1e3:.2f}+{d * 1e3:.2f}" for t, _, s, d in mine]
+        print(f"   {name}: " + " ".join(cells))
 
 
 def main() -> None:
@@ -72,7 +94,11 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="bytes moved per call")
     ap.add_argument("--batch-mb", type=int, default=64, help="engine batch size (MiB)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeline", action="store_true", help="per-batch timeline of the last round")
+    ap.add_argument("--switch-us", type=float, default=500.0,
+                    help="interpreter switch interval (kvtier serve uses 500 µs)")
     args = ap.parse_args()
+    sys.setswitchinterval(args.switch_us / 1e6)
     page = args.page_kib << 10
     n = int(args.gib * GIB) // page
     instrument()
@@ -87,13 +113,18 @@ def main() -> None:
         for r in range(args.rounds + 1):  # the first round maps the host chunks: not reported
             for step in ("offload", "restore"):
                 SPENT.clear()
+                EVENTS.clear()
                 start = time.perf_counter()
                 if step == "offload":
                     engine.offload(pool.pool_id, ids)
-                    assert engine.wait_idle(120)
                 else:
                     engine.acquire(pool.pool_id, ids)
+                returned = time.perf_counter() - start
+                if step == "offload":
+                    assert engine.wait_idle(120)
                 wall = time.perf_counter() - start
+                if args.timeline and r == args.rounds:
+                    print_timeline(step, start, returned)
                 if r:
                     us = {k: round(v / n * 1e6, 3) for k, v in sorted(SPENT.items())}
                     rows.append({"step": step, "us_per_page": round(wall / n * 1e6, 3),
