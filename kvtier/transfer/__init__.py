@@ -46,7 +46,7 @@ def build_inline_restore(
     if device.type == "cuda":
         from kvtier.transfer.cuda import CudaRestore
 
-        return CudaRestore(host, device, staging_bytes)
+        return CudaRestore(host, device, staging_bytes, inline=True)
     from kvtier.transfer.host import HostRestore
 
     return HostRestore(host)

@@ -1,7 +1,8 @@
 """GPU<->CPU handlers on CUDA: one gather kernel + one DMA per contiguous host run, per batch.
 
-Each handler owns a CUDA stream (the offload a second one for its gather kernel, so a batch's
-gather runs while its neighbour's DMA does), ``depth`` device staging buffers of
+Each handler owns a DMA stream and a kernel stream (the offload's gather runs before its DMA,
+the restore's scatter after, each overlapping a neighbour batch's DMA; restores on the highest
+stream priority), ``depth`` device staging buffers of
 ``staging_bytes`` (the largest batch) and events. A batch first waits (on its streams, not the
 host) for the events the engine recorded when pages were last released, then copies, then
 records its event; the lane thread waits for that one event, so a slot is reused only after its
@@ -27,11 +28,26 @@ from kvtier.types import Direction
 class _CudaHandler(TransferHandler):
     depth = 3
 
-    def __init__(self, arena: HostArena, device: torch.device, staging_bytes: int) -> None:
+    def __init__(
+        self,
+        arena: HostArena,
+        device: torch.device,
+        staging_bytes: int,
+        *,
+        priority: int = 0,
+        kernel_stream: bool = True,
+    ) -> None:
         self._arena = arena
         self._device = device
-        self._stream = torch.cuda.Stream(device)
-        self._entry = self._stream  # the stream that first touches the pool's pages
+        self._stream = torch.cuda.Stream(device, priority=priority)  # the DMA stream
+        # A kernel stream beside it: the offload's gather runs first, the restore's scatter
+        # last, each overlapping a neighbour batch's DMA (``kernel_stream=False``: one stream,
+        # for a handler that runs one batch at a time). A batch starts on ``_entry`` and ends on
+        # ``_exit``; the kernel stream (``_kernel``) is the one touching pool pages.
+        self._kernel = (
+            torch.cuda.Stream(device, priority=priority) if kernel_stream else self._stream
+        )
+        self._entry = self._exit = self._stream
         # Batches i+1.. are launched while batch i's copies still run: a buffer per batch.
         self._buffers = [
             torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(self.depth)
@@ -48,12 +64,11 @@ class _CudaHandler(TransferHandler):
 
     def _buffer(self, rows: int, size: int) -> torch.Tensor:
         """Staging for ``rows`` pages; called on the entry stream (a larger batch's own buffer
-        is then also kept from reuse until the DMA stream is done with it)."""
+        is then also kept from reuse until the exit stream is done with it)."""
         if rows * size <= self._staging.numel():
             return self._staging[: rows * size].view(rows, size)
         extra = torch.empty((rows, size), dtype=torch.uint8, device=self._device)
-        if self._entry is not self._stream:
-            extra.record_stream(self._stream)
+        extra.record_stream(self._exit)
         return extra
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
@@ -74,11 +89,11 @@ class _CudaHandler(TransferHandler):
         self._staging = self._buffers[self._turn]
         done = torch.cuda.Event()
         with torch.cuda.device(self._device), torch.cuda.stream(self._entry):
-            for event in batch.ready:
-                self._entry.wait_event(event)
+            for event in batch.ready:  # the pool's pages were last used under these
+                self._kernel.wait_event(event)
             if len(batch.srcs):
                 self._copy(batch)
-            done.record(self._stream)
+            done.record(self._exit)
         self._turn = (self._turn + 1) % self.depth
         n = len(batch)
 
@@ -89,22 +104,31 @@ class _CudaHandler(TransferHandler):
         return wait
 
     def _copy(self, batch: Moves) -> None:
-        """Queue the batch's copies (from the entry stream); they end on ``_stream``."""
+        """Queue the batch's copies (from the entry stream); they end on the exit stream."""
         raise NotImplementedError
 
+    def _hand_over(self, src: torch.cuda.Stream, dst: torch.cuda.Stream) -> None:
+        """Work queued on ``dst`` from here on runs after what ``src`` has queued so far."""
+        if src is dst:
+            return
+        event = torch.cuda.Event()
+        event.record(src)
+        dst.wait_event(event)
+
     def close(self) -> None:
-        self._entry.synchronize()
+        self._kernel.synchronize()
         self._stream.synchronize()
 
 
 class CudaOffload(_CudaHandler):
-    """GPU->CPU: gather the pages into staging in host-run order, then one DMA per run."""
+    """GPU->CPU: gather the pages into staging in host-run order (kernel stream), then one DMA
+    per run (DMA stream), so a batch's gather runs while the previous batch's DMA does."""
 
     direction = Direction.GPU_TO_CPU
 
     def __init__(self, arena: HostArena, device: torch.device, staging_bytes: int) -> None:
         super().__init__(arena, device, staging_bytes)
-        self._entry = torch.cuda.Stream(device)  # gathers, beside the DMA stream
+        self._entry = self._kernel
 
     def _copy(self, batch: Moves) -> None:
         pool, size, srcs = batch.pool, batch.page_size, batch.srcs
@@ -113,10 +137,8 @@ class CudaOffload(_CudaHandler):
         order = srcs if len(runs) == 1 else _in_run_order(srcs, runs)
         staging = self._buffer(len(srcs), size)
         gather(pool.segments, self._index(order), staging)
-        gathered = torch.cuda.Event()
-        gathered.record(self._entry)
+        self._hand_over(self._kernel, self._stream)
         with torch.cuda.stream(self._stream):
-            self._stream.wait_event(gathered)
             at = 0
             for view, lo, hi in runs:
                 view.copy_(staging[at : at + hi - lo], non_blocking=True)
@@ -124,22 +146,38 @@ class CudaOffload(_CudaHandler):
 
 
 class CudaRestore(_CudaHandler):
-    """CPU->GPU: one DMA per host run into staging, then one scatter kernel into the pool."""
+    """CPU->GPU: one DMA per host run into staging (DMA stream), then one scatter kernel into
+    the pool (kernel stream), so a batch's scatter runs while the next batch's DMA does."""
 
     direction = Direction.CPU_TO_GPU
 
+    def __init__(
+        self, arena: HostArena, device: torch.device, staging_bytes: int, *, inline: bool = False
+    ) -> None:
+        # Restores first on the GPU too: their streams have the highest priority, so a
+        # restore's scatter is scheduled ahead of an offload backlog's gather kernels. An inline
+        # restore (one batch, run by the acquiring thread) keeps one stream: nothing to overlap.
+        super().__init__(arena, device, staging_bytes, priority=-1, kernel_stream=not inline)
+        self._exit = self._kernel
+
     def _copy(self, batch: Moves) -> None:
-        # One stream: measured on the H100, a separate scatter stream slowed 64-256 KiB restores.
         pool, size, dsts = batch.pool, batch.page_size, batch.dsts
         assert pool is not None, "GPU<->CPU batch without a pool"
         runs = self._arena.runs_array(size, batch.srcs)
+        order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
+        index = self._index(order)
         staging = self._buffer(len(dsts), size)
         at = 0
         for view, lo, hi in runs:
             staging[at : at + hi - lo].copy_(view, non_blocking=True)
             at += hi - lo
-        order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
-        scatter(pool.segments, self._index(order), staging)
+        self._hand_over(self._stream, self._kernel)
+        # Made on the DMA stream, read on the kernel stream: without this the allocator could
+        # hand the index's memory to the next batch before this scatter has read it.
+        if self._kernel is not self._stream:
+            index.record_stream(self._kernel)
+        with torch.cuda.stream(self._kernel):
+            scatter(pool.segments, index, staging)
 
 
 def _in_run_order(values: np.ndarray, runs: list[tuple[torch.Tensor, int, int]]) -> np.ndarray:

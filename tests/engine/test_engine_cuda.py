@@ -53,6 +53,42 @@ def test_pressure_cycle_keeps_exact_bytes_on_cuda(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("pages,batch_mb", [(256, 1), (2048, 16)])
+def test_many_batches_in_flight_each_way_keep_every_page_exact(tmp_path, pages, batch_mb):
+    """Half of the pool's pages, scattered, down and back in one call each: several batches in
+    flight on both streams of each handler (gather/DMA down, DMA/scatter up). With 16 MiB
+    batches the host launches the next batch while the copy engine still runs the last one,
+    the case where memory one stream made and another reads must be kept from reuse."""
+    engine = cuda_engine(
+        tmp_path,
+        gpu_memory_gb=1.0,
+        cpu_memory_gb=pages * PAGE / 2**30,
+        pinned_chunk_mb=64,
+        batch_mb=batch_mb,
+        max_inflight_mb=4 * batch_mb,
+    )
+    try:
+        pool = engine.attach("t", pages)
+        got = engine.allocate(pool.pool_id, pages)
+        seg = pool.segments[0]
+        seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, device=seg.device))
+        expected = seg.cpu()
+        ids = [p for p, _ in got]
+        engine.release(pool.pool_id, ids)
+        moved = ids[::2]
+        engine.offload(pool.pool_id, moved)
+        assert engine.wait_idle(30)
+        assert {engine.page_info(pool.pool_id, p).tier for p in moved} == {Tier.CPU}
+        seg[torch.tensor([s for _, s in got[::2]], device=seg.device)] = 0  # freed slots
+        slots = engine.acquire(pool.pool_id, moved)
+        old = torch.tensor([s for _, s in got[::2]])
+        assert torch.equal(seg[torch.tensor(slots, device=seg.device)].cpu(), expected[old])
+        kept = torch.tensor([s for _, s in got[1::2]])
+        assert torch.equal(seg[kept.to(seg.device)].cpu(), expected[kept])  # untouched
+    finally:
+        engine.close()
+
+
 def test_offload_waits_for_the_engines_last_write(tmp_path):
     """A write still running on the compute stream at release must land before the copy."""
     engine = cuda_engine(tmp_path)
