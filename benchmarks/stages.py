@@ -20,8 +20,10 @@ pipeline shows as gaps.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
+import pstats
 import sys
 import threading
 import time
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--batch-mb", type=int, default=64, help="engine batch size (MiB)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeline", action="store_true", help="per-batch timeline of the last round")
+    ap.add_argument("--profile-call", action="store_true",
+                    help="cProfile the calling thread in the last round (top 25 by own time)")
     ap.add_argument("--switch-us", type=float, default=500.0,
                     help="interpreter switch interval (kvtier serve uses 500 µs)")
     args = ap.parse_args()
@@ -114,12 +118,19 @@ def main() -> None:
             for step in ("offload", "restore"):
                 SPENT.clear()
                 EVENTS.clear()
+                prof = cProfile.Profile() if args.profile_call and r == args.rounds else None
+                if prof is not None:
+                    prof.enable()
                 start = time.perf_counter()
                 if step == "offload":
                     engine.offload(pool.pool_id, ids)
                 else:
                     engine.acquire(pool.pool_id, ids)
                 returned = time.perf_counter() - start
+                if prof is not None:
+                    prof.disable()
+                    print(f"-- {step}: the calling thread, by own time")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
                 if step == "offload":
                     assert engine.wait_idle(120)
                 wall = time.perf_counter() - start

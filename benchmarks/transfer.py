@@ -228,9 +228,11 @@ def main() -> None:
     ap.add_argument("--gc", choices=("default", "freeze"), default="default",
                     help="freeze: gc.freeze() once the page table is built (long-lived pages "
                          "leave the cyclic collector's full passes)")
+    ap.add_argument("--switch-us", type=float, default=500.0,
+                    help="interpreter switch interval; 500 is what `kvtier serve` sets")
     args = ap.parse_args()
-    # As `kvtier serve` does: restores wait at most ~0.5 ms for the GIL behind lane bookkeeping.
-    sys.setswitchinterval(0.0005)
+    # As `kvtier serve` does: restores wait at most this long for the GIL behind lane work.
+    sys.setswitchinterval(args.switch_us / 1e6)
     device = torch.device(args.device)
     nbytes = int(args.batch_gib * GIB)
     sizes = {"16K": 16 << 10, "64K": 64 << 10, "256K": 256 << 10, "2M": 2 << 20}
