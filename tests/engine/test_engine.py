@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -321,3 +322,17 @@ def test_round_trips_across_pools_page_sizes_and_directions(make_engine):
                 row = pool.segments[0][slot]
                 assert int(row.min()) == int(row.max()) == pid % 251
             engine.release(pool.pool_id, ids)
+
+
+def test_page_ids_may_be_a_numpy_array(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 4)
+    got = engine.allocate(pool.pool_id, 3)
+    ids = np.array([p for p, _ in got], dtype=np.int64)
+    engine.release(pool.pool_id, ids)
+    assert engine.offload(pool.pool_id, ids) == 3
+    assert engine.wait_idle(10)
+    slots = engine.acquire(pool.pool_id, ids[::-1])
+    assert isinstance(slots, list) and len(slots) == 3
+    assert engine.stats().pinned_pages == 3
+    engine.release(pool.pool_id, ids)
