@@ -155,7 +155,7 @@ def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64
         engine.close()
 
 
-def latency_case(device: torch.device, backlog: int) -> dict[str, float]:
+def latency_case(device: torch.device, backlog: int, gc_freeze: bool = False) -> dict[str, float]:
     page = 256 << 10
     per_req = 4  # 1 MiB
     nb = backlog // page
@@ -198,6 +198,10 @@ def latency_case(device: torch.device, backlog: int) -> dict[str, float]:
                 engine.release(pool.pool_id, bulk)
             return lat
 
+        sample(False)  # warm-up, not recorded: first kernels, first pinned chunks, first
+        sample(True)  # events of a fresh process are not steady-state latency
+        if gc_freeze:  # everything alive now leaves the cyclic collector's full passes
+            gc.freeze()
         idle = [x for _ in range(3) for x in sample(False)]
         busy = [x for _ in range(5) for x in sample(True)]
 
@@ -212,6 +216,7 @@ def latency_case(device: torch.device, backlog: int) -> dict[str, float]:
             "busy_samples": float(len(busy)),
         }
     finally:
+        gc.unfreeze()
         engine.close()
 
 
@@ -237,13 +242,13 @@ def main() -> None:
     nbytes = int(args.batch_gib * GIB)
     sizes = {"16K": 16 << 10, "64K": 64 << 10, "256K": 256 << 10, "2M": 2 << 20}
     rows = []
-    for name in args.pages.split(","):
+    for name in filter(None, args.pages.split(",")):  # --pages "": the latency case alone
         page = sizes[name]
         raw = raw_copies(nbytes, page, device)
         eng = engine_case(page, nbytes, device, args.batch_mb, args.gc == "freeze")
         rows.append({"page": name, **raw, **eng})
         print(json.dumps(rows[-1]), flush=True)
-    lat = latency_case(device, int(args.backlog_gib * GIB))
+    lat = latency_case(device, int(args.backlog_gib * GIB), args.gc == "freeze")
     print(json.dumps(lat), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
