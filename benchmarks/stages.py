@@ -69,7 +69,6 @@ def instrument() -> None:
     timed_method(bulk.BulkMoves, "finish", "finish")
     timed_method(batches.Frees, "apply", "frees")
     timed_method(core.EngineCore, "complete", "complete")
-    timed_method(core.EngineCore, "try_complete", "complete")
     try:
         import torch
 

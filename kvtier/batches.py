@@ -1,4 +1,4 @@
-"""Per-batch helper of the engine core: bulk slot frees."""
+"""Per-batch helpers of the engine core: bulk slot frees, growing prepare chunks."""
 
 from __future__ import annotations
 
@@ -34,3 +34,15 @@ class Frees:
             slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
             core.free_slots(tier, key, slots, pool)
         self._slots.clear()
+
+
+def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in chunks of 1, 1, 2, 4, ... times ``step`` items: the first batch's copies
+    start at once, and each later chunk is prepared while the lanes copy the ones before it,
+    in a handful of passes whatever ``n``."""
+    out, lo, size = [], 0, step
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = step if len(out) == 1 else 2 * size
+    return out

@@ -19,6 +19,7 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvtier.batches import Frees
+from kvtier.batches import Frees, growing_chunks
 from kvtier.bulk import BulkMoves
 from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
@@ -64,18 +65,6 @@ YIELD_CHUNK = 1024  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
 _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into one int64
-
-
-def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in chunks of 1, 1, 2, 4, ... times ``step`` items: the first batch's copies
-    start at once, and each later chunk is prepared while the lanes copy the ones before it,
-    in a handful of passes whatever ``n``."""
-    out, lo, size = [], 0, step
-    while lo < n:
-        out.append((lo, min(n, lo + size)))
-        lo += size
-        size = step if len(out) == 1 else 2 * size
-    return out
 
 
 class EngineCore:
@@ -117,7 +106,7 @@ class EngineCore:
             batch_bytes=config.batch_bytes,
             max_inflight_bytes=config.max_inflight_mb * MIB,
             on_complete=self.complete,
-            try_complete=self.try_complete,
+            try_complete=functools.partial(self.complete, wait=False),
         )
         self.cascade = Cascade(self)
         self.bulk = BulkMoves(self)
@@ -356,35 +345,29 @@ class EngineCore:
         return started
 
     # -- complete --------------------------------------------------------------------------------
-    def complete(self, batch: Moves, results: list[bool], seconds: float) -> None:
+    def complete(
+        self, batch: Moves, results: list[bool], seconds: float, *, wait: bool = True
+    ) -> bool:
         """Finish a batch, a chunk of pages per lock hold; slots go back to their tiers in bulk.
+        ``wait=False``: only if the engine lock is free now, else False with nothing done (a
+        lane then keeps launching copies while a caller holds the lock).
 
         Restores first, here too: while an acquire waits for a restore, an offload batch is
         finished in smaller chunks and yields between them, so the restore's own steps
         (start, completion, pin) never queue behind a whole offload batch.
         """
-        with self.cond:
-            start = self._complete_chunk(batch, results, seconds, 0)
-        self._complete_from(batch, results, seconds, start)
-
-    def try_complete(self, batch: Moves, results: list[bool], seconds: float) -> bool:
-        """``complete`` if the engine lock is free now; False (nothing done) if it is held. A
-        lane uses it to keep launching copies while a caller holds the lock."""
-        if not self.cond.acquire(blocking=False):
+        if not self.cond.acquire(blocking=wait):
             return False
         try:
             start = self._complete_chunk(batch, results, seconds, 0)
         finally:
             self.cond.release()
-        self._complete_from(batch, results, seconds, start)
-        return True
-
-    def _complete_from(self, batch: Moves, results: list[bool], seconds: float, start: int) -> None:
         while start < len(batch):
             if self.restore_waiters and not batch.direction.is_restore:
                 time.sleep(YIELD_S)
             with self.cond:
                 start = self._complete_chunk(batch, results, seconds, start)
+        return True
 
     def _complete_chunk(self, batch: Moves, results: list[bool], seconds: float, start: int) -> int:
         """Columns from ``start`` on, one chunk (lock held); returns where the next one starts."""

@@ -36,7 +36,7 @@ from kvtier.types import Direction
 
 log = logging.getLogger(__name__)
 _NONE = np.empty(0, dtype=np.int64)
-CompleteFn = Callable[[Moves, list[bool], float], None]
+CompleteFn = Callable[[Moves, list[bool], float], object]  # any return is ignored
 TryCompleteFn = Callable[[Moves, list[bool], float], bool]
 _LANE_OF = {
     Direction.CPU_TO_GPU: "up",

@@ -48,26 +48,26 @@ def check_ids(field: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             got = f"{ids.dtype} {ids.shape}"
             raise InvalidArgument(field, f"must be a 1-D integer array, got {got}")
-        if ids.dtype.kind == "u" and len(ids) and int(ids.max()) >= 1 << 63:
-            raise NotFound(f"page {int(ids.max())} not found")
-        arr = ids.astype(np.int64, copy=False)
     elif isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
         raise InvalidArgument(field, "must be a list of page ids")
-    else:
-        arr = _int64s(field, ids)
-    if not len(arr):
+    if not len(ids):
         raise InvalidArgument(field, "must not be empty")
-    if len(arr) > MAX_IDS:
-        raise InvalidArgument(field, f"at most {MAX_IDS} ids per call, got {len(arr)}")
+    if len(ids) > MAX_IDS:
+        raise InvalidArgument(field, f"at most {MAX_IDS} ids per call, got {len(ids)}")
+    arr = _array_int64s(ids) if isinstance(ids, np.ndarray) else _int64s(field, ids)
     low = int(arr.argmin())
     if arr[low] <= 0:
         raise InvalidArgument(field, f"ids must be positive integers, got {int(arr[low])}")
     return arr
 
 
+def _array_int64s(ids: np.ndarray) -> np.ndarray:
+    if ids.dtype.kind == "u" and int(ids.max()) >= 1 << 63:
+        raise NotFound(f"page {int(ids.max())} not found")
+    return ids.astype(np.int64, copy=False)
+
+
 def _int64s(field: str, ids: Sequence[int]) -> np.ndarray:
-    if len(ids) > MAX_IDS:
-        raise InvalidArgument(field, f"at most {MAX_IDS} ids per call, got {len(ids)}")
     try:
         return np.frombuffer(array.array("q", ids), dtype=np.int64)
     except TypeError:
