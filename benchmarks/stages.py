@@ -8,10 +8,11 @@ every other slot of a pool) and reports, per page, the wall time spent inside ea
     * finish + frees: completion under the engine lock (page states, policies, slot frees);
 and the end-to-end time and GB/s. Stages are timed by wrapping the engine's own methods for the
 run; times include waits for the interpreter lock, so they show where the lanes are held up.
-``--timeline`` also prints, for the last round, when each batch was launched (l), waited for
-(s) and completed (c, including a refused try while a caller held the engine lock), as
-``stage@start+duration`` in ms from the API call, and when the call returned: a stalled
-pipeline shows as gaps.
+``--timeline`` also prints, for the last round, when each chunk was prepared (p), each batch
+launched (l), waited for (s) and completed (c, including a refused try while a caller held the
+engine lock), as ``stage@start+wall(thread cpu)`` in ms from the API call, and when the call
+returned: a stalled pipeline shows as gaps, a stage held up (interpreter lock, device) as cpu
+far below wall.
 
     python benchmarks/stages.py --device cuda:0 --page-kib 64
     python benchmarks/stages.py                  # CPU mode, 16 KiB pages
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent))
 from bookkeeping import make_engine
 
@@ -41,8 +44,8 @@ import kvtier.scheduler as scheduler
 
 GIB = 1 << 30
 SPENT: dict[str, float] = {}
-EVENTS: list[tuple[float, str, str, float]] = []  # (start, thread, stage, seconds)
-TRACK = {"launch", "sync", "complete"}
+EVENTS: list[tuple[float, str, str, float, float]] = []  # (start, thread, stage, wall, cpu s)
+TRACK = {"prepare", "launch", "sync", "complete"}
 
 
 def timed_method(owner: Any, name: str, stage: str) -> None:
@@ -51,14 +54,15 @@ def timed_method(owner: Any, name: str, stage: str) -> None:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             spent = time.perf_counter() - start
             SPENT[stage] = SPENT.get(stage, 0.0) + spent
             if stage in TRACK:
-                EVENTS.append((start, threading.current_thread().name, stage, spent))
+                name = threading.current_thread().name
+                EVENTS.append((start, name, stage, spent, time.thread_time() - cpu))
 
     setattr(owner, name, wrapper)
 
@@ -78,11 +82,15 @@ def instrument() -> None:
 
 
 def print_timeline(step: str, start: float, returned: float) -> None:
-    """Events of one call as ``stage@start+duration`` in ms, a line per thread."""
+    """Events of one call as ``stage@start+wall(cpu)`` in ms, a line per thread: a stage whose
+    thread CPU time is far below its wall time was blocked (the interpreter lock, a device
+    wait), not working."""
     print(f"-- {step}: call returned at {returned * 1e3:.2f} ms")
     for name in sorted({e[1] for e in EVENTS}):
         mine = sorted(e for e in EVENTS if e[1] == name)
-        cells = [f"{s[0]}@{(t - start) * 1e3:.2f}+{d * 1e3:.2f}" for t, _, s, d in mine]
+        cells = [
+            f"{s[0]}@{(t - start) * 1e3:.2f}+{d * 1e3:.2f}({c * 1e3:.2f})" for t, _, s, d, c in mine
+        ]
         print(f"   {name}: " + " ".join(cells))
 
 
@@ -100,6 +108,8 @@ def main() -> None:
                     help="cProfile the calling thread in the last round (top 25 by own time)")
     ap.add_argument("--switch-us", type=float, default=500.0,
                     help="interpreter switch interval (kvtier serve uses 500 µs)")
+    ap.add_argument("--ids", choices=("array", "list"), default="array",
+                    help="page ids as an int64 array (default) or a Python list")
     args = ap.parse_args()
     sys.setswitchinterval(args.switch_us / 1e6)
     page = args.page_kib << 10
@@ -112,7 +122,9 @@ def main() -> None:
         got = engine.allocate(pool.pool_id, 2 * n)
         assert got is not None
         engine.release(pool.pool_id, [p for p, _ in got])
-        ids = [p for p, _ in got][::2]  # scattered: every other slot
+        ids: Any = [p for p, _ in got][::2]  # scattered: every other slot
+        if args.ids == "array":  # the engine's array form, as benchmarks/transfer.py uses
+            ids = np.asarray(ids, dtype=np.int64)
         for r in range(args.rounds + 1):  # the first round maps the host chunks: not reported
             for step in ("offload", "restore"):
                 SPENT.clear()
