@@ -38,7 +38,6 @@ from kvtier.pagetable import (
     S_DISK,
     S_DROPPED,
     S_GPU,
-    S_NONE,
     STATE_OF_TIER,
     PageTable,
     by_value,
@@ -257,9 +256,9 @@ class EngineCore:
         self.table.protect[rows] += 1
 
     def unprotect(self, rows: np.ndarray) -> None:
-        t = self.table
-        alive = rows[t.state[rows] != S_NONE]
-        t.protect[alive] = np.maximum(t.protect[alive] - 1, 0)
+        """Distinct rows; a row removed meanwhile has ``protect`` 0 and stays so."""
+        protect = self.table.protect
+        protect[rows] = np.maximum(protect[rows] - 1, 0)
 
     # -- prepare ---------------------------------------------------------------------------------
     def start_many(

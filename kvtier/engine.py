@@ -13,6 +13,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -146,10 +147,23 @@ class TierEngine:
             pool_id, n, priority=priority, sequence_length=sequence_length
         )
 
+    @overload
+    def acquire(
+        self, pool_id: PoolId, page_ids: np.ndarray, *, timeout: float | None = None
+    ) -> np.ndarray | None: ...
+    @overload
     def acquire(
         self, pool_id: PoolId, page_ids: Sequence[PageId], *, timeout: float | None = None
-    ) -> list[SlotIndex] | None:
-        """Resident + pinned, restores first. See ENGINE_API.md."""
+    ) -> list[SlotIndex] | None: ...
+    def acquire(
+        self,
+        pool_id: PoolId,
+        page_ids: Sequence[PageId] | np.ndarray,
+        *,
+        timeout: float | None = None,
+    ) -> list[SlotIndex] | np.ndarray | None:
+        """Resident + pinned, restores first; an array of ids gives an ``int64`` array of slots
+        (the fast form for large calls). See ENGINE_API.md."""
         return self._residency.acquire(pool_id, page_ids, timeout=timeout)
 
     def try_acquire(

@@ -111,6 +111,13 @@ class PageTable:
     def ids(self, rows: np.ndarray) -> np.ndarray:
         return (self.gen[rows] << ROW_BITS) | rows
 
+    def ids_text(self, rows: np.ndarray, most: int = 8) -> str:
+        """Page ids for an error message: all of them up to ``most``, else the first ``most``
+        and how many more (a 65,536-page call must not raise a megabyte of ids)."""
+        shown = self.ids(rows[:most]).tolist()
+        more = len(rows) - len(shown)
+        return f"{shown}" if not more else f"{str(shown)[:-1]}, ... and {more} more]"
+
     def id_of(self, row: int) -> PageId:
         return PageId(int(self.gen[row]) << ROW_BITS | int(row))
 
@@ -123,14 +130,19 @@ class PageTable:
             bad = next(i for i in page_ids if i >= 1 << 63)
             raise NotFound(f"page {bad} not found in pool {pool_id}") from None
         rows = ids & ROW_MASK
-        ok = (rows > 0) & (rows < self._high)
-        if ok.all():
-            ok = (self.gen[rows] == ids >> ROW_BITS) & (self.pool[rows] == pool_id)
-            ok &= self.state[rows] != S_NONE
-            if ok.all():
-                return rows
-        bad = int(ids[np.argmin(ok)])
-        raise NotFound(f"page {bad} not found in pool {pool_id}")
+        if not len(rows):
+            return rows
+        # A removed row has pool 0 (never a pool's id) and a new generation: no state check.
+        inside = pool_id > 0 and int(rows.min()) > 0 and int(rows.max()) < self._high
+        if inside and ((self.gen[rows] == ids >> ROW_BITS) & (self.pool[rows] == pool_id)).all():
+            return rows
+        raise NotFound(f"page {self._first_bad(pool_id, ids)} not found in pool {pool_id}")
+
+    def _first_bad(self, pool_id: PoolId, ids: np.ndarray) -> int:
+        rows = ids & ROW_MASK
+        ok = (rows > 0) & (rows < self._high) & (pool_id > 0)
+        ok[ok] = (self.gen[rows[ok]] == ids[ok] >> ROW_BITS) & (self.pool[rows[ok]] == pool_id)
+        return int(ids[np.argmin(ok)])
 
     def row(self, pool_id: PoolId, page_id: int) -> int:
         return int(self.rows(pool_id, [page_id])[0])

@@ -91,9 +91,14 @@ class Residency:
         return rows
 
     def acquire(
-        self, pool_id: PoolId, page_ids: Sequence[PageId], *, timeout: float | None = None
-    ) -> list[SlotIndex] | None:
-        """Resident + pinned, restores first. See ENGINE_API.md."""
+        self,
+        pool_id: PoolId,
+        page_ids: Sequence[PageId] | np.ndarray,
+        *,
+        timeout: float | None = None,
+    ) -> list[SlotIndex] | np.ndarray | None:
+        """Resident + pinned, restores first; slots as a list, or as an ``int64`` array when
+        ``page_ids`` is an array (no Python int per page either way in). See ENGINE_API.md."""
         core = self._core
         start = time.monotonic()
         deadline = start + (core.config.restore_timeout_s if timeout is None else timeout)
@@ -107,12 +112,13 @@ class Residency:
                 return None
             lost = unique[core.table.state[unique] == S_DROPPED]
             if len(lost):
-                raise PageLost(f"pages {core.table.ids(lost).tolist()} were dropped")
+                raise PageLost(f"pages {core.table.ids_text(lost)} were dropped")
             restored = _Acquire(core, pool, unique).run(deadline)
             if restored:
                 core.counters.restore_latencies.append(time.monotonic() - start)
                 del core.counters.restore_latencies[:-4096]
-            return cast("list[SlotIndex]", core.table.slot[rows].tolist())
+            slots = core.table.slot[rows]
+            return slots if isinstance(page_ids, np.ndarray) else slots.tolist()
 
     def _fits(self, pool: Pool, unique: np.ndarray) -> bool:
         """Whether the pool can hold ``unique`` pinned at once beside the other pinned pages."""
@@ -181,7 +187,7 @@ class Residency:
             unique = core.table.unique(core.table.rows(pool_id, ids))
             bad = unique[core.table.pins[unique] == 0]
             if len(bad):
-                listed = core.table.ids(bad).tolist()
+                listed = core.table.ids_text(bad)
                 raise FailedPrecondition(f"page_ids: pages {listed} are not acquired")
             self._unpin(pool, unique)
             core.cond.notify_all()
@@ -231,23 +237,32 @@ class _Acquire:
             hits[Tier(tier)] += count
 
     def run(self, deadline: float) -> bool:
-        """Pin everything (True if anything had to be restored); raises with nothing held."""
+        """Pin everything (True if anything had to be restored); raises with nothing held.
+
+        Under the engine lock nothing lands but what this acquire itself completes (a
+        cancelled offload, an inline restore), so the pending pages are re-read only after
+        those and after each wait, not on every step."""
         core, t = self.core, self.core.table
         core.pin(self.pool, self.pinned)
         t.waiting[self.pending] += 1
         core.protect(self.rows)  # neither cascade may push these down meanwhile
         counted = False
         try:
-            core.cancel(self.pending[t.state[self.pending] == S_DOWN])  # ``land`` pins them
-            if len(self.pending):
+            going = self.pending[t.state[self.pending] == S_DOWN]
+            still = bool(len(self.pending))
+            if len(going) and len(core.cancel(going)):  # ``land`` pinned them
+                still = self._still_waiting()
+            if still:
                 core.restore_waiters += 1
                 counted = True
-            while self._still_waiting():
+            while still:
+                ended = core.restores_ended
                 self._start_up()
-                if not self._still_waiting():  # a small restore runs inline
-                    break
+                if core.restores_ended != ended and not self._still_waiting():
+                    break  # a small restore ran inline
                 if not self._wait_landings(deadline):
                     raise DeadlineExceeded(f"acquire of {len(self.rows)} pages timed out")
+                still = self._still_waiting()
         except BaseException:
             self._undo()
             raise
@@ -302,8 +317,8 @@ class _Acquire:
                 break
         return True
 
-    def _ids(self, rows: np.ndarray) -> list[int]:
-        return cast("list[int]", self.core.table.ids(rows).tolist())
+    def _ids(self, rows: np.ndarray) -> str:
+        return self.core.table.ids_text(rows)
 
     def _start_up(self) -> None:
         """Start the next leg toward the GPU for pending pages that wait in CPU or on disk."""

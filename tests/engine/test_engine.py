@@ -333,6 +333,21 @@ def test_page_ids_may_be_a_numpy_array(make_engine):
     assert engine.offload(pool.pool_id, ids) == 3
     assert engine.wait_idle(10)
     slots = engine.acquire(pool.pool_id, ids[::-1])
-    assert isinstance(slots, list) and len(slots) == 3
+    # Array in, array out: the same slots a list of the same ids gets.
+    assert isinstance(slots, np.ndarray) and slots.dtype == np.int64
+    assert slots.tolist() == engine.acquire(pool.pool_id, ids[::-1].tolist())
     assert engine.stats().pinned_pages == 3
     engine.release(pool.pool_id, ids)
+    engine.release(pool.pool_id, ids)
+    assert engine.stats().pinned_pages == 0
+
+
+def test_errors_about_many_pages_name_a_few_and_count_the_rest(make_engine):
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 64)
+    ids = np.array([p for p, _ in engine.allocate(pool.pool_id, 40)], dtype=np.int64)
+    engine.release(pool.pool_id, ids)
+    with pytest.raises(FailedPrecondition, match=r"\.\.\. and 32 more\] are not acquired") as err:
+        engine.release(pool.pool_id, ids)
+    assert str(int(ids[0])) in str(err.value) and str(int(ids[-1])) not in str(err.value)
+    assert engine.stats().pinned_pages == 0

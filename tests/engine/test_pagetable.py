@@ -83,3 +83,26 @@ def test_tier_counts_and_by_value() -> None:
     assert table.tier_counts().tolist() == [3, 2, 0]
     groups = by_value(np.array([5, 3, 5, 3, 9]))
     assert [(k, pos.tolist()) for k, pos in groups] == [(5, [0, 2]), (3, [1, 3]), (9, [4])]
+
+
+def test_a_removed_row_is_found_by_no_id_and_no_pool() -> None:
+    # Without a state check, removal itself must make every id of the row unknown: the old
+    # generation is stale, and the next one (not yet handed out) names a row with pool 0.
+    table = PageTable()
+    rows = _pages(table, 2)
+    old = table.id_of(int(rows[0]))
+    table.remove(rows[:1])
+    guessed = (old >> ROW_BITS) + 1 << ROW_BITS | int(rows[0])
+    for page in (old, guessed):
+        with pytest.raises(NotFound, match=f"page {page} "):
+            table.rows(POOL, [table.id_of(int(rows[1])), page])
+    with pytest.raises(NotFound):  # keyed pages (pool 0) are no pool's pages
+        table.rows(PoolId(0), [guessed])
+
+
+def test_ids_text_caps_long_lists() -> None:
+    table = PageTable()
+    rows = _pages(table, 20)
+    ids = table.ids(rows).tolist()
+    assert table.ids_text(rows[:3]) == str(ids[:3])
+    assert table.ids_text(rows) == f"{str(ids[:8])[:-1]}, ... and 12 more]"
