@@ -54,11 +54,20 @@ class _CudaHandler(TransferHandler):
         ]
         # Pinned index buffers, one per staging buffer: a batch's slot indices go up from one
         # that the batch ``depth`` launches back (completed by then) used.
+        # And a device index buffer per batch in flight, so launching allocates nothing and
+        # nothing needs ``record_stream``: like the staging, it is reused ``depth`` launches on.
         rows = max(1, staging_bytes // 4096)
         pin = torch.cuda.is_available()
         self._indices = [
             torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(self.depth)
         ]
+        self._device_indices = [
+            torch.empty(rows, dtype=torch.long, device=device) for _ in range(self.depth)
+        ]
+        # Events made once: a batch's ``done`` per turn (the lane waits on it before the turn
+        # comes round again); one hand-over event (a stream waits on its latest record).
+        self._done = [torch.cuda.Event() for _ in range(self.depth)]
+        self._handed = torch.cuda.Event()
         self._turn = 0  # the buffers of the batch being launched
         self._staging = self._buffers[0]
 
@@ -72,22 +81,28 @@ class _CudaHandler(TransferHandler):
         return extra
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
-        # From pinned memory: a pageable source makes the copy synchronous, and the host would
-        # wait for the previous batch's DMA on this stream, undoing the double buffering.
+        """The batch's indices on the device (copied on the current stream, read on the kernel
+        stream). From pinned memory: a pageable source makes the copy synchronous, and the
+        host would wait for the previous batch's DMA on this stream."""
         packed = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        n = len(values)
         pinned = self._indices[self._turn]
-        if len(values) > pinned.numel():
-            return packed.pin_memory().to(self._device, non_blocking=True)
-        host = pinned[: len(values)]
+        if n > pinned.numel():  # a batch larger than the staging: a one-off allocation
+            index = packed.pin_memory().to(self._device, non_blocking=True)
+            index.record_stream(self._kernel)  # the allocator must not reuse it before then
+            return index
+        host = pinned[:n]
         host.copy_(packed)
-        return host.to(self._device, non_blocking=True)
+        index = self._device_indices[self._turn][:n]
+        index.copy_(host, non_blocking=True)
+        return index
 
     def run(self, batch: Moves) -> list[bool]:
         return self.launch(batch)()
 
     def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         self._staging = self._buffers[self._turn]
-        done = torch.cuda.Event()
+        done = self._done[self._turn]
         with torch.cuda.device(self._device), torch.cuda.stream(self._entry):
             for event in batch.ready:  # the pool's pages were last used under these
                 self._kernel.wait_event(event)
@@ -111,9 +126,8 @@ class _CudaHandler(TransferHandler):
         """Work queued on ``dst`` from here on runs after what ``src`` has queued so far."""
         if src is dst:
             return
-        event = torch.cuda.Event()
-        event.record(src)
-        dst.wait_event(event)
+        self._handed.record(src)
+        dst.wait_event(self._handed)
 
     def close(self) -> None:
         self._kernel.synchronize()
@@ -172,10 +186,6 @@ class CudaRestore(_CudaHandler):
             staging[at : at + hi - lo].copy_(view, non_blocking=True)
             at += hi - lo
         self._hand_over(self._stream, self._kernel)
-        # Made on the DMA stream, read on the kernel stream: without this the allocator could
-        # hand the index's memory to the next batch before this scatter has read it.
-        if self._kernel is not self._stream:
-            index.record_stream(self._kernel)
         with torch.cuda.stream(self._kernel):
             scatter(pool.segments, index, staging)
 
