@@ -196,7 +196,9 @@ class TransferScheduler:
                     continue  # more may be ready: launch before waiting
             if pending:
                 done.append(self._wait(pending.popleft()))
-            self._complete(done, block=not pending and not more)
+            # While more is queued, one completion per launch: completions deferred behind the
+            # engine lock must not all run back to back while the copy engine runs dry.
+            self._complete(done, block=not pending and not more, most=1 if more else len(done))
 
     def _ready(self, lane: _Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
@@ -231,10 +233,13 @@ class TransferScheduler:
         self._last_end[direction] = end
         return pending, results, busy
 
-    def _complete(self, done: deque[tuple[_Pending, list[bool], float]], block: bool) -> None:
-        """Complete copied batches in order; without ``block``, stop at the first whose
-        completion would have to wait for the engine lock."""
-        while done:
+    def _complete(
+        self, done: deque[tuple[_Pending, list[bool], float]], block: bool, most: int
+    ) -> None:
+        """Complete up to ``most`` copied batches in order; without ``block``, stop at the first
+        whose completion would have to wait for the engine lock."""
+        while done and most > 0:
+            most -= 1
             pending, results, busy = done[0]
             batch = pending.batch
             try:
