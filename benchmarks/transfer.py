@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvtier import OffloadConfig, PageState, TierEngine
@@ -79,7 +80,7 @@ def wait_state(engine: TierEngine, pool_id, ids, state: PageState) -> None:
 
 
 def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64,
-                gc_freeze: bool = False) -> dict[str, float]:
+                gc_freeze: bool = False, id_arrays: bool = True) -> dict[str, float]:
     n = nbytes // page
     cfg = OffloadConfig(
         device=str(device),
@@ -103,6 +104,8 @@ def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64
         seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, device=seg.device))
         engine.release(pool.pool_id, ids)
         a, b = ids[0::2], ids[1::2]  # scattered: every other slot
+        if id_arrays:  # the engine's array form: int64 ids in, int64 slots out
+            a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
         # Warm-up: every page once through the CPU tier, so all the host chunks the runs below
         # use are already mapped and pinned (first-time pinning is reported on its own).
         t_pin = time.perf_counter()
@@ -235,6 +238,9 @@ def main() -> None:
                          "leave the cyclic collector's full passes)")
     ap.add_argument("--switch-us", type=float, default=500.0,
                     help="interpreter switch interval; 500 is what `kvtier serve` sets")
+    ap.add_argument("--ids", choices=("array", "list"), default="array",
+                    help="page ids passed to offload/acquire as an int64 array (slots come back "
+                         "as one) or as Python lists")
     args = ap.parse_args()
     # As `kvtier serve` does: restores wait at most this long for the GIL behind lane work.
     sys.setswitchinterval(args.switch_us / 1e6)
@@ -245,19 +251,31 @@ def main() -> None:
     for name in filter(None, args.pages.split(",")):  # --pages "": the latency case alone
         page = sizes[name]
         raw = raw_copies(nbytes, page, device)
-        eng = engine_case(page, nbytes, device, args.batch_mb, args.gc == "freeze")
+        eng = engine_case(
+            page, nbytes, device, args.batch_mb, args.gc == "freeze", args.ids == "array"
+        )
         rows.append({"page": name, **raw, **eng})
         print(json.dumps(rows[-1]), flush=True)
-    lat = latency_case(device, int(args.backlog_gib * GIB), args.gc == "freeze")
+    lat = (  # --backlog-gib 0: the throughput cases alone
+        latency_case(device, int(args.backlog_gib * GIB), args.gc == "freeze")
+        if args.backlog_gib > 0
+        else dict.fromkeys(
+            ("idle_p50_ms", "idle_p99_ms", "busy_p50_ms", "busy_p99_ms", "busy_samples"),
+            float("nan"),
+        )
+    )
     print(json.dumps(lat), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     (args.out / "transfer.json").write_text(
-        json.dumps({"device": name, "gc": args.gc, "rows": rows, "latency": lat}, indent=2)
+        json.dumps(
+            {"device": name, "gc": args.gc, "ids": args.ids, "rows": rows, "latency": lat},
+            indent=2,
+        )
     )
     lines = [
         f"Device: {name}; batch {args.batch_gib} GiB of scattered pages; GB/s = 1e9 B/s; "
-        f"gc: {args.gc}",
+        f"gc: {args.gc}; ids: {args.ids}",
         "",
         "| page | raw D2H | raw H2D | raw both | loop D2H | engine offload (data path) | engine restore (data path) | engine both | offload/raw | restore/raw |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -273,7 +291,7 @@ def main() -> None:
         "",
         f"Restore of 1 MiB (4 x 256 KiB): idle p50 {lat['idle_p50_ms']:.2f} ms, p99 {lat['idle_p99_ms']:.2f} ms; "
         f"under a {args.backlog_gib} GiB offload backlog p50 {lat['busy_p50_ms']:.2f} ms, p99 {lat['busy_p99_ms']:.2f} ms "
-        f"({int(lat['busy_samples'])} samples)",
+        f"({lat['busy_samples']:.0f} samples)",
     ]
     (args.out / "transfer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
