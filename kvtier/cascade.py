@@ -24,7 +24,9 @@ class Cascade:
         self._core = core
 
     def _protected(self, rows: np.ndarray) -> np.ndarray:
-        return self._core.table.protect[rows] > 0
+        """Pages a load keeps (``protect``) or an acquire waits for (``waiting``)."""
+        t = self._core.table
+        return (t.protect[rows] > 0) | (t.waiting[rows] > 0)
 
     def cpu_slots(self, page_size: int, n: int) -> np.ndarray:
         """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room."""

@@ -244,13 +244,18 @@ class EngineCore:
 
     def land(self, pool: Pool, rows: np.ndarray) -> None:
         """Pages that just reached the GPU: each waiting acquire's pin is taken at once, before
-        anything can evict them."""
+        anything can evict them, and its access counted (a hit each, one policy touch), here
+        on the lane rather than in the acquire's tail after its last page landed."""
         t = self.table
         waiting = t.waiting[rows]
         if waiting.any():
             some = waiting > 0
-            self.pin(pool, rows[some], waiting[some])
-            t.waiting[rows[some]] = 0
+            if not some.all():
+                rows, waiting = rows[some], waiting[some]
+            self.pin(pool, rows, waiting)
+            t.waiting[rows] = 0
+            t.hits[rows] += waiting
+            pool.policy.touch(rows)
 
     def protect(self, rows: np.ndarray) -> None:
         self.table.protect[rows] += 1

@@ -9,8 +9,9 @@ Contract:
       the move completes).
     * ``pins`` > 0 means an engine is using the page on the GPU: it never moves or is evicted.
       ``waiting`` counts acquires waiting for the page to reach the GPU: the completion that lands
-      it there turns them into pins at once (``land``). ``protect`` counts restores and loads that
-      need the page kept where it is (no cascade or eviction takes it).
+      it there turns them into pins at once (``land``); no cascade pushes such a page down.
+      ``protect`` counts loads that need the page kept where it is (no cascade or eviction
+      takes it).
     * A row with ``pool == 0`` is a *keyed* page (a stored prefix block) owned by a tenant; keyed
       pages live in the CPU and disk tiers only and carry a (salted) content key.
     * Callers pass rows as int64 arrays of *distinct* rows (``unique`` makes them so); every

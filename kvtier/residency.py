@@ -244,8 +244,7 @@ class _Acquire:
         those and after each wait, not on every step."""
         core, t = self.core, self.core.table
         core.pin(self.pool, self.pinned)
-        t.waiting[self.pending] += 1
-        core.protect(self.rows)  # neither cascade may push these down meanwhile
+        t.waiting[self.pending] += 1  # also keeps either cascade from pushing them down
         counted = False
         try:
             going = self.pending[t.state[self.pending] == S_DOWN]
@@ -269,13 +268,13 @@ class _Acquire:
         finally:
             if counted:
                 core.restore_waiters -= 1
-            core.unprotect(self.rows)
         freed = t.gen[self.rows] != self.gens  # a page that landed and was freed at once
         if freed.any():
             self._undo()
             raise NotFound(f"pages {self._ids(self.rows[freed])} were freed while being acquired")
-        t.hits[self.rows] += 1
-        self.pool.policy.touch(self.rows)
+        # Pages that landed had their hit and touch counted by ``land``: the resident ones here.
+        t.hits[self.pinned] += 1
+        self.pool.policy.touch(self.pinned)
         return counted
 
     def _still_waiting(self) -> bool:

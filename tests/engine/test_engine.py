@@ -62,6 +62,29 @@ def test_cpu_full_cascades_to_disk_and_back(make_engine):
     assert engine.stats().tiers[1].used_bytes <= 8 * PAGE
 
 
+def test_cpu_cascade_spares_the_pages_an_acquire_waits_for(make_engine):
+    """The restore's own room-making pushes CPU victims out: never the pages it restores."""
+    engine = make_engine(cpu_memory_gb=8 * PAGE / 2**30, disk=False)
+    pool = engine.attach("t", 4)
+    batches, expected = [], {}
+    for seed in range(3):  # the first two end up filling the 8-page CPU tier, oldest first
+        ids = [p for p, _ in engine.allocate(pool.pool_id, 4)]
+        expected.update(fill(engine, pool, ids, seed=seed))
+        engine.release(pool.pool_id, ids)
+        batches.append(ids)
+    oldest = batches[0]
+    assert {engine.page_info(pool.pool_id, p).state for p in oldest} == {PageState.CPU}
+    # Room on the GPU means offloading the third batch, room for it in the full CPU tier
+    # means evicting the CPU's least recently used pages: the very ones acquired here.
+    slots = engine.acquire(pool.pool_id, oldest)
+    assert slots is not None
+    verify(engine, pool, {p: expected[p] for p in oldest})
+    states = {engine.page_info(pool.pool_id, p).state for p in batches[1]}
+    assert states == {PageState.DROPPED}  # the cascade took the next oldest instead
+    assert engine.stats().counters.drops["cpu_full"] == 4
+    engine.release(pool.pool_id, oldest)
+
+
 def test_pinned_pages_never_move(make_engine):
     engine = make_engine(disk=False)
     pool = engine.attach("t", 4)
