@@ -37,6 +37,8 @@ ints. Per-row metadata comes as a ``RowMeta`` whose arrays are aligned with ``ro
       ``partial=True`` it returns up to ``n`` victims (possibly none), never ``None``.
       ``n == 0`` returns an empty array; ``n < 0`` raises ``ValueError``.
     * ``__len__``: number of tracked rows; ``contains(rows)``: bool mask, tracked or not.
+    * ``uses_meta``: ``False`` for a policy that never reads ``meta`` (LRU); the engine then
+      passes ``NO_META`` (empty arrays) on its hot paths instead of gathering three columns.
     ``registry.create_row_policy(name)`` returns a policy that is natively a ``RowPolicy`` as is
     and wraps any other ``EvictionPolicy`` in ``adapter.PerPagePolicy`` (rows become page ids).
 
@@ -115,8 +117,14 @@ class RowMeta:
     length: np.ndarray  # int64, length of the sequence in pages
 
 
+_NO_ROWS = np.empty(0, dtype=np.int64)
+NO_META = RowMeta(np.empty(0, dtype=np.float64), _NO_ROWS, _NO_ROWS)  # for ``uses_meta = False``
+
+
 class RowPolicy(ABC):
     """Tracks page-table rows of one tier in batches and names victims; see the module docstring."""
+
+    uses_meta: ClassVar[bool] = True
 
     @abstractmethod
     def insert(self, rows: np.ndarray, meta: RowMeta) -> None: ...

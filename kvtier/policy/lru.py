@@ -45,6 +45,7 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
     """Evicts the least recently inserted or touched row first; metadata is ignored."""
 
     name: ClassVar[str] = "lru"
+    uses_meta: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._stamp = np.zeros(0, dtype=np.int64)  # by row: clock at the last insert / touch
