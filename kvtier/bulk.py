@@ -3,8 +3,9 @@
 Contract (everything runs with the engine lock held, like the core it serves):
     * ``prepare(rows, direction, dsts, urgent)`` turns pages of one direction into
       :class:`Moves` batches, one per pool (GPU side) or page size (disk side): the pages leave
-      their tier's policy in one call, are marked moving, and the table's ``move`` column names
-      the batch each was prepared in (for ``cancel``).
+      their tier's policy in one call, are marked moving, and the table's ``move`` column numbers
+      the batch each was prepared in; ``batch(number)`` finds it while anything holds it (for
+      ``cancel``).
     * ``finish(batch, lo, hi, results, frees)`` completes columns ``lo:hi`` of a batch;
       ``finish_cols`` is the same for explicit columns (a cancelled move). Successes free their
       source slot (into ``frees``) and settle at the destination; failures free the destination
@@ -16,6 +17,8 @@ Contract (everything runs with the engine lock held, like the core it serves):
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +41,14 @@ class BulkMoves:
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
+        # Numbers, not objects, in the table: an object column costs a reference count per
+        # page on every write. A batch no queue holds any more drops out by itself.
+        self._batches: weakref.WeakValueDictionary[int, Moves] = weakref.WeakValueDictionary()
+        self._numbers = itertools.count(1)
+
+    def batch(self, number: int) -> Moves | None:
+        """The batch prepared as ``number``, if something still holds it."""
+        return self._batches.get(number)
 
     def prepare(
         self, rows: np.ndarray, direction: Direction, dsts: np.ndarray, urgent: bool
@@ -66,7 +77,9 @@ class BulkMoves:
                 urgent,
                 events,
             )
-            t.move[group] = batch
+            number = next(self._numbers)
+            self._batches[number] = batch
+            t.move[group] = number
             t.state[group] = S_UP if direction.is_restore else S_DOWN
             out.append(batch)
         return out
@@ -117,7 +130,7 @@ class BulkMoves:
         ``corrupt``: a failed disk read means bad bytes (drop), not a cancelled one."""
         core, t = self._core, self._core.table
         src, dst = direction._value_
-        t.move[rows] = None
+        t.move[rows] = 0
         size = int(t.size[rows[0]])
         pool_id = int(t.pool[rows[0]])
         pool = core.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None

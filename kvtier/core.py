@@ -43,7 +43,7 @@ from kvtier.pagetable import (
     by_value,
 )
 from kvtier.policy.admission import create_admission
-from kvtier.policy.base import RowMeta, RowPolicy
+from kvtier.policy.base import NO_META, RowMeta, RowPolicy
 from kvtier.policy.registry import create_row_policy
 from kvtier.pool import Pool
 from kvtier.readiness import ReadyEvents
@@ -177,7 +177,8 @@ class EngineCore:
             assert pool is not None
             pool.slot_rows[slots] = rows
         size = int(t.size[rows[0]])
-        self.policy_of(tier, pool, size).insert(rows, self.meta(rows))
+        policy = self.policy_of(tier, pool, size)
+        policy.insert(rows, self.meta(rows) if policy.uses_meta else NO_META)
 
     def unsettle(self, rows: np.ndarray, tier: Tier, pool: Pool | None, page_size: int) -> None:
         """The pages' bytes are about to leave (or be freed from) their current tier."""
@@ -406,14 +407,15 @@ class EngineCore:
         """Take back the queued (not started) moves of ``rows``: those pages stay where they
         were. Returns the rows cancelled; the others' moves are under way (or there are none).
         One pass per distinct batch, whatever the number of rows."""
-        moves = self.table.move[rows]
-        live = np.flatnonzero(moves != None)  # noqa: E711 - elementwise over an object column
+        numbers = self.table.move[rows]
+        live = np.flatnonzero(numbers)
         if not len(live):
             return rows[:0]
-        keys = np.fromiter(map(id, moves[live].tolist()), dtype=np.int64, count=len(live))
         done: list[np.ndarray] = []
-        for _key, pos in by_value(keys):
-            batch: Moves = moves[live[pos[0]]]
+        for number, pos in by_value(numbers[live]):
+            batch = self.bulk.batch(number)
+            if batch is None:  # every column already taken by a lane
+                continue
             got, srcs, dsts = self.scheduler.cancel(batch, rows[live[pos]])
             if not len(got):
                 continue

@@ -36,7 +36,8 @@ ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
 EMPTY = np.empty(0, dtype=np.int64)
 
-# name -> dtype of every column; ``move`` holds the Moves batch a moving row was prepared in.
+# name -> dtype of every column; ``move`` numbers the Moves batch a moving row was prepared in
+# (0: none; ``BulkMoves.batch`` finds it while it is queued).
 _COLUMNS: dict[str, Any] = {
     "state": np.int8,
     "tier": np.int8,
@@ -53,7 +54,7 @@ _COLUMNS: dict[str, Any] = {
     "doomed": np.bool_,
     "ready": np.int64,
     "gen": np.int64,
-    "move": object,
+    "move": np.int64,
 }
 
 
@@ -166,7 +167,7 @@ class PageTable:
         for name in ("pool", "pins", "waiting", "protect", "hits", "ready"):
             getattr(self, name)[rows] = 0
         self.doomed[rows] = False
-        self.move[rows] = None
+        self.move[rows] = 0
         self.slot[rows] = -1
         if self.key_of:
             for row in rows.tolist():

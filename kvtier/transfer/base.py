@@ -40,7 +40,7 @@ def as_index(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Moves:
     """Copies of pages of one size, in one direction, touching at most one GPU pool.
 
