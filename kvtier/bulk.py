@@ -51,9 +51,15 @@ class BulkMoves:
         return self._batches.get(number)
 
     def prepare(
-        self, rows: np.ndarray, direction: Direction, dsts: np.ndarray, urgent: bool
+        self,
+        rows: np.ndarray,
+        direction: Direction,
+        dsts: np.ndarray,
+        urgent: bool,
+        final: bool = True,
     ) -> list[Moves]:
-        """The batches moving ``rows`` to ``dsts``: out of their tier's policy, marked moving."""
+        """The batches moving ``rows`` to ``dsts``: out of their tier's policy, marked moving
+        (``final``: the caller queues nothing after them, see ``Moves.final``)."""
         core, t = self._core, self._core.table
         gpu_side = direction in _GPU_SIDE
         out: list[Moves] = []
@@ -76,6 +82,7 @@ class BulkMoves:
                 False,
                 urgent,
                 events,
+                final=final,
             )
             number = next(self._numbers)
             self._batches[number] = batch

@@ -276,14 +276,17 @@ class EngineCore:
         urgent: bool,
         out: list[Moves] | None = None,
         chunked: bool = True,
+        final: bool = True,
     ) -> int:
         """Queue moves of ``rows`` (as many as there are ``dsts``) in growing chunks (a lane
         splits each into batches). With ``out`` the batches are collected there instead (the
-        caller runs them). ``chunked=False``: one pass (the caller chunks)."""
+        caller runs them). ``chunked=False``: one pass (the caller chunks; ``final`` says
+        whether this is its last chunk: a lane ends a drain on small batches only after it)."""
         rows = rows[: len(dsts)]
         chunks = growing_chunks(len(rows), self._batch_pages(rows)) if chunked else [(0, len(rows))]
         for lo, hi in chunks:
-            batches = self.bulk.prepare(rows[lo:hi], direction, dsts[lo:hi], urgent)
+            last = final and hi == len(rows)
+            batches = self.bulk.prepare(rows[lo:hi], direction, dsts[lo:hi], urgent, last)
             if out is None:
                 self.scheduler.submit(batches)
             else:
@@ -307,7 +310,8 @@ class EngineCore:
                 part = group[lo:hi]
                 slots = self.cascade.cpu_slots(size, len(part))
                 queued += self.start_many(
-                    part, Direction.GPU_TO_CPU, slots, urgent=urgent, chunked=False
+                    part, Direction.GPU_TO_CPU, slots, urgent=urgent, chunked=False,
+                    final=hi == len(group),
                 )
                 if len(slots) < len(part):
                     return queued

@@ -60,6 +60,7 @@ class Moves:
     results: list[bool | None] | None = None  # copy batches: set on completion, read by callers
     origin: Moves | None = None  # a split copy batch reports its results there ...
     at: int = 0  # ... from this column on
+    final: bool = False  # its producer queues nothing after it (a lane may end on small batches)
 
     def __post_init__(self) -> None:
         self.srcs, self.dsts = as_index(self.srcs), as_index(self.dsts)

@@ -62,6 +62,22 @@ def test_take_respects_bytes_for_one_size_and_for_mixed_sizes() -> None:
     assert mixed.count(restores=False) == 0
 
 
+def test_take_halves_the_end_of_a_final_queue_down_to_the_least() -> None:
+    def sizes(final: bool) -> list[int]:
+        lane = _Lane("down")
+        _queue(lane, [4096] * 20)  # 20 pages, batches of 8, at least 2
+        lane.queues[3][-1].final = final
+        out = []
+        while lane.count(restores=False):
+            out.append(len(lane.take(8 * 4096, 2 * 4096)))
+        return out
+
+    # 20 >= 16: a full batch; then half of 12, 6, 3 (at least 2) ...
+    assert sizes(final=True) == [8, 6, 3, 2, 1]
+    # ... but only once the producer is done: while it may queue more, full batches.
+    assert sizes(final=False) == [8, 8, 4]
+
+
 def test_batch_counters_count_bytes_of_successes_only() -> None:
     from kvtier.core import EngineCore
     from kvtier.stats import EngineCounters
