@@ -11,8 +11,8 @@ Contract:
     * A lane takes one batch at a time: up to ``batch_bytes`` from the head of its first non-empty
       queue (a larger queued batch is split, smaller compatible ones are joined; when less than
       two batches' worth is queued and the last one is ``final``, it takes half of it, down to
-      an eighth of ``batch_bytes``, so a drain ends on small batches and the last completion
-      after the last copy is short), and
+      an eighth of ``batch_bytes`` and 512 pages, so a drain of many small pages ends on small
+      batches and the last completion after the last copy is short), and
       launches
       the next batches before waiting on the oldest (up to its handlers' ``depth`` in flight:
       three on CUDA, two on disk and CPU mode). Bytes in flight
@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 _NONE = np.empty(0, dtype=np.int64)
 CompleteFn = Callable[[Moves, list[bool], float], object]  # any return is ignored
 TryCompleteFn = Callable[[Moves, list[bool], float], bool]
-TAIL_FLOOR = 8  # the smallest batch a drain ends on: ``batch_bytes // TAIL_FLOOR``
+# A drain ends on batches down to ``batch_bytes // TAIL_FLOOR`` and ``TAIL_PAGES`` pages: the
+# completion after the last copy costs per page, a launch per batch (large pages: no halving).
+TAIL_FLOOR = 8
+TAIL_PAGES = 512
 _LANE_OF = {
     Direction.CPU_TO_GPU: "up",
     Direction.GPU_TO_CPU: "down",
@@ -88,16 +91,20 @@ class _Lane:
         queue = self._head()
         return min(batch_bytes, queue[0].nbytes) if queue else 0
 
-    def take(self, batch_bytes: int, least_bytes: int | None = None) -> Moves:
+    def take(self, batch_bytes: int, least_pages: int | None = None) -> Moves:
         """The head queue's next batch, up to ``batch_bytes`` (at least one column): a larger
         queued batch is split, and following compatible ones are joined while there is room.
-        With ``least_bytes``, when the queue's last batch is ``final`` (its producer is done)
-        and less than two batches' worth is queued: half of it (not less than ``least_bytes``),
-        so a drain ends on small batches (never while a producer is still feeding the queue)."""
+        With ``least_pages``, when the queue's last batch is ``final`` (its producer is done)
+        and less than two batches' worth is queued: half of it, but not less than
+        ``least_pages`` pages nor ``batch_bytes // TAIL_FLOOR``, so a drain ends on small
+        batches (never while a producer is still feeding the queue)."""
         queue = self._head()
         assert queue is not None
         first = queue[0]
-        if least_bytes is not None and least_bytes < batch_bytes and queue[-1].final:
+        least_bytes = batch_bytes
+        if least_pages is not None:
+            least_bytes = max(least_pages * first.page_size, batch_bytes // TAIL_FLOOR)
+        if least_bytes < batch_bytes and queue[-1].final:
             queued = first.nbytes if len(queue) == 1 else sum(b.nbytes for b in queue)
             if queued < 2 * batch_bytes:
                 batch_bytes = max(least_bytes, queued // 2)
@@ -200,7 +207,7 @@ class TransferScheduler:
                     return
                 more = not self._closed and self._ready(lane)
                 if more and len(pending) < lane.depth:
-                    batch = lane.take(self._batch_bytes, self._batch_bytes // TAIL_FLOOR)
+                    batch = lane.take(self._batch_bytes, TAIL_PAGES)
                     self._inflight += batch.nbytes
             if batch is not None:
                 pending.append(self._launch(batch))

@@ -69,13 +69,17 @@ def test_take_halves_the_end_of_a_final_queue_down_to_the_least() -> None:
         lane.queues[3][-1].final = final
         out = []
         while lane.count(restores=False):
-            out.append(len(lane.take(8 * 4096, 2 * 4096)))
+            out.append(len(lane.take(8 * 4096, least_pages=2)))
         return out
 
     # 20 >= 16: a full batch; then half of 12, 6, 3 (at least 2) ...
     assert sizes(final=True) == [8, 6, 3, 2, 1]
     # ... but only once the producer is done: while it may queue more, full batches.
     assert sizes(final=False) == [8, 8, 4]
+    lane = _Lane("down")
+    _queue(lane, [4096] * 12)
+    lane.queues[3][-1].final = True
+    assert len(lane.take(8 * 4096, least_pages=8)) == 8  # a batch is the least: no halving
 
 
 def test_batch_counters_count_bytes_of_successes_only() -> None:
