@@ -244,9 +244,10 @@ class EngineCore:
         pool.pinned -= int(np.count_nonzero(pins[rows] == 0))
 
     def land(self, pool: Pool, rows: np.ndarray) -> None:
-        """Pages that just reached the GPU: each waiting acquire's pin is taken at once, before
-        anything can evict them, and its access counted (a hit each, one policy touch), here
-        on the lane rather than in the acquire's tail after its last page landed."""
+        """Pages that just reached the GPU (``settle`` has just put them in the pool's policy):
+        each waiting acquire's pin is taken at once, before anything can evict them, and its
+        access counted (a hit each, one policy touch), here on the lane rather than in the
+        acquire's tail after its last page landed."""
         t = self.table
         waiting = t.waiting[rows]
         if waiting.any():
@@ -256,7 +257,8 @@ class EngineCore:
             self.pin(pool, rows, waiting)
             t.waiting[rows] = 0
             t.hits[rows] += waiting
-            pool.policy.touch(rows)
+            if pool.policy.touch_after_insert:  # ``settle`` inserted them just now
+                pool.policy.touch(rows)
 
     def protect(self, rows: np.ndarray) -> None:
         self.table.protect[rows] += 1

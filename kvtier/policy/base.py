@@ -39,6 +39,8 @@ ints. Per-row metadata comes as a ``RowMeta`` whose arrays are aligned with ``ro
     * ``__len__``: number of tracked rows; ``contains(rows)``: bool mask, tracked or not.
     * ``uses_meta``: ``False`` for a policy that never reads ``meta`` (LRU); the engine then
       passes ``NO_META`` (empty arrays) on its hot paths instead of gathering three columns.
+    * ``touch_after_insert``: ``False`` when a ``touch`` of rows right after their ``insert``
+      changes nothing (pure recency: LRU); the engine then skips that touch.
     ``registry.create_row_policy(name)`` returns a policy that is natively a ``RowPolicy`` as is
     and wraps any other ``EvictionPolicy`` in ``adapter.PerPagePolicy`` (rows become page ids).
 
@@ -125,6 +127,7 @@ class RowPolicy(ABC):
     """Tracks page-table rows of one tier in batches and names victims; see the module docstring."""
 
     uses_meta: ClassVar[bool] = True
+    touch_after_insert: ClassVar[bool] = True
 
     @abstractmethod
     def insert(self, rows: np.ndarray, meta: RowMeta) -> None: ...

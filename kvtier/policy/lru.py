@@ -46,6 +46,7 @@ class LRUPolicy(EvictionPolicy, RowPolicy):
 
     name: ClassVar[str] = "lru"
     uses_meta: ClassVar[bool] = False
+    touch_after_insert: ClassVar[bool] = False  # already the most recent, in that order
 
     def __init__(self) -> None:
         self._stamp = np.zeros(0, dtype=np.int64)  # by row: clock at the last insert / touch

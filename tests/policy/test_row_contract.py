@@ -167,3 +167,26 @@ def test_len_contains_and_reinsert(policy: RowPolicy) -> None:
     victims = evict_rows(policy, 3)
     assert victims is not None and sorted(victims) == [1, 3, 5]
     assert len(policy) == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(before=IDS, batch=IDS)
+def test_touch_after_insert_false_means_the_touch_changes_nothing(
+    before: list[int], batch: list[int]
+) -> None:
+    """A policy that lets the engine skip the touch right after an insert must evict the same
+    rows, in the same order, with the touch and without it."""
+    for name in POLICIES:
+        if create_row_policy(name).touch_after_insert:
+            continue
+        plain, touched = create_row_policy(name), create_row_policy(name)
+        old = list(dict.fromkeys(before))
+        new = [i for i in dict.fromkeys(batch) if i not in old]
+        for pol in (plain, touched):
+            pol.insert(rows(*old), _batch_meta(old, 1.0))
+            pol.insert(rows(*new), _batch_meta(new, 1.0))
+        touched.touch(rows(*new))
+        n = len(old) + len(new)
+        assert plain.evict(n, lambda r: np.zeros(len(r), dtype=bool)).tolist() == (
+            touched.evict(n, lambda r: np.zeros(len(r), dtype=bool)).tolist()
+        )
