@@ -13,8 +13,9 @@ Contract (see ``kvtier.tiers.base``): ``HostArena(budget_bytes, chunk_bytes, pin
     * ``runs``/``runs_array`` group slots, in the given order, into runs of consecutive ids in
       one chunk: a 2-D view per run plus its positions (a ``range`` / ``lo, hi``). The array
       versions do one numpy pass per batch and Python work per run only, never per slot.
-    * A chunk that becomes entirely free is released, except one spare per slab kept to avoid
-      map/pin churn; spares are released as soon as another allocation needs their budget.
+    * A chunk that becomes entirely free stays mapped and pinned (pinning costs far more than
+      the copies it serves); such spare chunks are released as soon as another page size or a
+      pooled buffer needs their budget.
     * ``get_buffer(nbytes)``/``put_buffer(buf)``: exact-size pooled buffers that share the budget.
       Idle pooled buffers are released when the budget is needed elsewhere.
 All methods are thread-safe.
