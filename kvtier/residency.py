@@ -66,7 +66,7 @@ class Residency:
                 return None
             while pool.dev.num_free < n:
                 make_room(core, pool, n - pool.dev.num_free)
-                if not self._wait(deadline):
+                if not _wait(core, deadline):
                     return None
             slots = pool.dev.take(n)
             assert slots is not None
@@ -196,14 +196,6 @@ class Residency:
         core = self._core
         core.unpin(pool, rows)
         core.table.ready[rows] = core.ready.record()
-
-    def _wait(self, deadline: float) -> bool:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        self._core.cond.wait(min(remaining, 0.05))
-        self._core.check_open()
-        return True
 
 
 def make_room(core: EngineCore, pool: Pool, n: int) -> None:

@@ -12,11 +12,10 @@ Contract:
       queue (a larger queued batch is split, smaller compatible ones are joined; when less than
       two batches' worth is queued and the last one is ``final``, it takes half of it, down to
       an eighth of ``batch_bytes`` and 512 pages, so a drain of many small pages ends on small
-      batches and the last completion after the last copy is short), and
-      launches
-      the next batches before waiting on the oldest (up to its handlers' ``depth`` in flight:
-      three on CUDA, two on disk and CPU mode). Bytes in flight
-      across lanes never exceed ``max_inflight_bytes`` (a batch waits for room).
+      batches and the last completion after the last copy is short), and launches the next
+      batches before waiting on the oldest (up to its handlers' ``depth`` in flight: three on
+      CUDA, two on disk and CPU mode). Bytes in flight across lanes never exceed
+      ``max_inflight_bytes`` (a batch waits for room).
     * ``cancel(batch, rows)`` takes the columns of page-table ``rows`` out of a still-queued batch
       and returns them as ``(rows, srcs, dsts)`` (empty when the batch was already taken).
     * ``on_complete(batch, results, seconds)`` is called on the lane thread after every batch,
@@ -105,7 +104,7 @@ class _Lane:
         if least_pages is not None:
             least_bytes = max(least_pages * first.page_size, batch_bytes // TAIL_FLOOR)
         if least_bytes < batch_bytes and queue[-1].final:
-            queued = first.nbytes if len(queue) == 1 else sum(b.nbytes for b in queue)
+            queued = sum(b.nbytes for b in queue)
             if queued < 2 * batch_bytes:
                 batch_bytes = max(least_bytes, queued // 2)
         k = max(1, batch_bytes // first.page_size)
