@@ -395,8 +395,9 @@ def _round_up(n: int, align: int) -> int:
 
 
 def _ascends_by_one(slots: np.ndarray) -> bool:
-    """True if ``slots`` (non-empty) is ``first, first + 1, ...``; the ends are checked first."""
+    """True if ``slots`` (non-empty) is ``first, first + 1, ...``: the ends span exactly
+    ``n - 1`` and every step goes up (one comparison pass, no difference array)."""
     n = len(slots)
     if int(slots[-1]) - int(slots[0]) != n - 1:
         return False
-    return n == 1 or bool((np.diff(slots) == 1).all())
+    return n == 1 or bool(np.greater(slots[1:], slots[:-1]).all())

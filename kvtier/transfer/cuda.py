@@ -14,14 +14,16 @@ lock) still finds the copy engine busy when it comes back. No device-wide synchr
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvtier.tiers.device import DevicePool
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer.base import Moves, TransferHandler
-from kvtier.transfer.gather import gather, scatter
+from kvtier.transfer.gather import gather, scatter, wide
 from kvtier.types import Direction
 
 
@@ -39,6 +41,7 @@ class _CudaHandler(TransferHandler):
     ) -> None:
         self._arena = arena
         self._device = device
+        self._device_index = torch.cuda.current_device() if device.index is None else device.index
         self._stream = torch.cuda.Stream(device, priority=priority)  # the DMA stream
         # A kernel stream beside it: the offload's gather runs first, the restore's scatter
         # last, each overlapping a neighbour batch's DMA (``kernel_stream=False``: one stream,
@@ -49,8 +52,10 @@ class _CudaHandler(TransferHandler):
         )
         self._entry = self._exit = self._stream
         # Batches i+1.. are launched while batch i's copies still run: a buffer per batch.
+        # (A whole number of int64 words, so the kernels can see every buffer as int64 rows.)
+        words = -(-staging_bytes // 8)
         self._buffers = [
-            torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(self.depth)
+            torch.empty(8 * words, dtype=torch.uint8, device=device) for _ in range(self.depth)
         ]
         # Pinned index buffers, one per staging buffer: a batch's slot indices go up from one
         # that the batch ``depth`` launches back (completed by then) used.
@@ -61,6 +66,7 @@ class _CudaHandler(TransferHandler):
         self._indices = [
             torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(self.depth)
         ]
+        self._indices_np = [t.numpy() for t in self._indices]  # written by numpy, no tensor
         self._device_indices = [
             torch.empty(rows, dtype=torch.long, device=device) for _ in range(self.depth)
         ]
@@ -70,31 +76,50 @@ class _CudaHandler(TransferHandler):
         self._handed = torch.cuda.Event()
         self._turn = 0  # the buffers of the batch being launched
         self._staging = self._buffers[0]
+        # Per pool, its one segment seen as int64 rows (None: several segments or odd widths,
+        # the generic gather/scatter then): checked once, not at every launch.
+        self._rows64: weakref.WeakKeyDictionary[DevicePool, torch.Tensor | None] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def _buffer(self, rows: int, size: int) -> torch.Tensor:
-        """Staging for ``rows`` pages; called on the entry stream (a larger batch's own buffer
-        is then also kept from reuse until the exit stream is done with it)."""
-        if rows * size <= self._staging.numel():
-            return self._staging[: rows * size].view(rows, size)
-        extra = torch.empty((rows, size), dtype=torch.uint8, device=self._device)
-        extra.record_stream(self._exit)
-        return extra
+    def _buffer(self, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Staging for ``rows`` pages: as ``uint8`` rows (the DMA's view) and as ``int64`` rows
+        (the kernel's; None when ``size`` is not a whole number of words). Called on the entry
+        stream (a larger batch's own buffer is then also kept from reuse until the exit stream
+        is done with it)."""
+        nbytes = rows * size
+        if nbytes <= self._staging.numel():
+            flat = self._staging[:nbytes]
+        else:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            flat.record_stream(self._exit)
+        words = flat.view(torch.int64).view(rows, size // 8) if size % 8 == 0 else None
+        return flat.view(rows, size), words
+
+    def _pool_rows(self, pool: DevicePool) -> torch.Tensor | None:
+        """The pool's pages as ``int64`` rows of its one segment, or None (generic path)."""
+        try:
+            return self._rows64[pool]
+        except KeyError:
+            rows = wide(pool.segments[0]) if len(pool.segments) == 1 else None
+            found = rows if rows is not None and rows.dtype == torch.int64 else None
+            self._rows64[pool] = found
+            return found
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         """The batch's indices on the device (copied on the current stream, read on the kernel
-        stream). From pinned memory: a pageable source makes the copy synchronous, and the
-        host would wait for the previous batch's DMA on this stream."""
-        packed = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        stream). From pinned memory, written through its numpy view: a pageable source makes
+        the copy synchronous, and the host would wait for the previous batch's DMA."""
         n = len(values)
         pinned = self._indices[self._turn]
         if n > pinned.numel():  # a batch larger than the staging: a one-off allocation
+            packed = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
             index = packed.pin_memory().to(self._device, non_blocking=True)
             index.record_stream(self._kernel)  # the allocator must not reuse it before then
             return index
-        host = pinned[:n]
-        host.copy_(packed)
+        self._indices_np[self._turn][:n] = values
         index = self._device_indices[self._turn][:n]
-        index.copy_(host, non_blocking=True)
+        index.copy_(pinned[:n], non_blocking=True)
         return index
 
     def run(self, batch: Moves) -> list[bool]:
@@ -103,12 +128,21 @@ class _CudaHandler(TransferHandler):
     def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         self._staging = self._buffers[self._turn]
         done = self._done[self._turn]
-        with torch.cuda.device(self._device), torch.cuda.stream(self._entry):
+        # Streams are switched with ``set_stream`` and the caller's put back at the end: the
+        # ``torch.cuda.device``/``torch.cuda.stream`` context managers cost ~50 us a launch.
+        device = torch.cuda.current_device()
+        caller = torch.cuda.current_stream(self._device_index)
+        try:
+            torch.cuda.set_stream(self._entry)
             for event in batch.ready:  # the pool's pages were last used under these
                 self._kernel.wait_event(event)
             if len(batch.srcs):
                 self._copy(batch)
             done.record(self._exit)
+        finally:
+            torch.cuda.set_stream(caller)
+            if device != self._device_index:
+                torch.cuda.set_device(device)
         self._turn = (self._turn + 1) % self.depth
         n = len(batch)
 
@@ -149,14 +183,19 @@ class CudaOffload(_CudaHandler):
         assert pool is not None, "GPU<->CPU batch without a pool"
         runs = self._arena.runs_array(size, batch.dsts)
         order = srcs if len(runs) == 1 else _in_run_order(srcs, runs)
-        staging = self._buffer(len(srcs), size)
-        gather(pool.segments, self._index(order), staging)
+        staging, words = self._buffer(len(srcs), size)
+        index = self._index(order)
+        rows = self._pool_rows(pool)
+        if rows is not None and words is not None:
+            torch.index_select(rows, 0, index, out=words)
+        else:
+            gather(pool.segments, index, staging)
         self._hand_over(self._kernel, self._stream)
-        with torch.cuda.stream(self._stream):
-            at = 0
-            for view, lo, hi in runs:
-                view.copy_(staging[at : at + hi - lo], non_blocking=True)
-                at += hi - lo
+        torch.cuda.set_stream(self._stream)
+        at = 0
+        for view, lo, hi in runs:
+            view.copy_(staging[at : at + hi - lo], non_blocking=True)
+            at += hi - lo
 
 
 class CudaRestore(_CudaHandler):
@@ -180,13 +219,17 @@ class CudaRestore(_CudaHandler):
         runs = self._arena.runs_array(size, batch.srcs)
         order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
         index = self._index(order)
-        staging = self._buffer(len(dsts), size)
+        staging, words = self._buffer(len(dsts), size)
         at = 0
         for view, lo, hi in runs:
             staging[at : at + hi - lo].copy_(view, non_blocking=True)
             at += hi - lo
         self._hand_over(self._stream, self._kernel)
-        with torch.cuda.stream(self._kernel):
+        torch.cuda.set_stream(self._kernel)
+        rows = self._pool_rows(pool)
+        if rows is not None and words is not None:
+            rows.index_copy_(0, index, words)
+        else:
             scatter(pool.segments, index, staging)
 
 
