@@ -326,14 +326,22 @@ class EngineCore:
         thread with its own stream and staging: no hand-off to a lane and back, which under an
         offload backlog costs more than the copy. Larger ones are queued on the up lane.
         """
-        if not len(rows):
+        n = min(pool.dev.num_free, len(rows))
+        if not n:
             return 0
-        slots = pool.dev.take(min(pool.dev.num_free, len(rows)))
-        assert slots is not None
         up = Direction.CPU_TO_GPU
-        nbytes = len(slots) * pool.page_size
-        if not urgent or not len(slots) or nbytes > INLINE_RESTORE_BYTES or self.closed:
-            return self.start_many(rows, up, slots, urgent=urgent)
+        if not urgent or n * pool.page_size > INLINE_RESTORE_BYTES or self.closed:
+            # GPU slots a chunk at a time too: the first copies start before the rest is taken.
+            started = 0
+            for lo, hi in growing_chunks(n, self._batch_pages(rows)):
+                part = pool.dev.take(hi - lo)
+                assert part is not None
+                started += self.start_many(
+                    rows[lo:hi], up, part, urgent=urgent, chunked=False, final=hi == n
+                )
+            return started
+        slots = pool.dev.take(n)
+        assert slots is not None
         batches: list[Moves] = []
         started = self.start_many(rows, up, slots, urgent=True, out=batches)
         for batch in batches:

@@ -85,6 +85,7 @@ class PageTable:
         self._high = 1  # rows below this have been used; row 0 is never a page
         self._free = np.empty(0, dtype=np.int64)  # removed rows, reused first
         self.live = 0
+        self.removals = 0  # rows removed so far: unchanged means no id went stale meanwhile
         self.by_key: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.tenant_of: dict[int, str] = {}
@@ -113,10 +114,12 @@ class PageTable:
     def ids(self, rows: np.ndarray) -> np.ndarray:
         return (self.gen[rows] << ROW_BITS) | rows
 
-    def ids_text(self, rows: np.ndarray, most: int = 8) -> str:
+    def ids_text(self, rows: np.ndarray, most: int = 8, gens: np.ndarray | None = None) -> str:
         """Page ids for an error message: all of them up to ``most``, else the first ``most``
-        and how many more (a 65,536-page call must not raise a megabyte of ids)."""
-        shown = self.ids(rows[:most]).tolist()
+        and how many more (a 65,536-page call must not raise a megabyte of ids). ``gens``:
+        the generations the ids had (rows removed since have a new one)."""
+        head = rows[:most]
+        shown = (self.ids(head) if gens is None else (gens[:most] << ROW_BITS) | head).tolist()
         more = len(rows) - len(shown)
         return f"{shown}" if not more else f"{str(shown)[:-1]}, ... and {more} more]"
 
@@ -135,7 +138,8 @@ class PageTable:
         if not len(rows):
             return rows
         # A removed row has pool 0 (never a pool's id) and a new generation: no state check.
-        inside = pool_id > 0 and int(rows.min()) > 0 and int(rows.max()) < self._high
+        # Row 0 and rows never used have pool 0 too, so only the top needs a bound.
+        inside = pool_id > 0 and int(rows.max()) < self._high
         if inside and ((self.gen[rows] == ids >> ROW_BITS) & (self.pool[rows] == pool_id)).all():
             return rows
         raise NotFound(f"page {self._first_bad(pool_id, ids)} not found in pool {pool_id}")
@@ -151,8 +155,10 @@ class PageTable:
 
     def unique(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` without repeats (first occurrences, in order); ``rows`` itself when it has
-        none (the common case: three numpy passes, no sort)."""
+        none (the common case: one pass for ascending rows, else three, no sort)."""
         n = len(rows)
+        if n < 2 or np.greater(rows[1:], rows[:-1]).all():
+            return rows
         order = np.arange(n, dtype=np.int64)
         self._mark[rows[::-1]] = order[::-1]  # the first occurrence's position wins
         first = self._mark[rows] == order
@@ -164,6 +170,7 @@ class PageTable:
             return
         self.state[rows] = S_NONE
         self.gen[rows] += 1
+        self.removals += len(rows)
         for name in ("pool", "pins", "waiting", "protect", "hits", "ready"):
             getattr(self, name)[rows] = 0
         self.doomed[rows] = False

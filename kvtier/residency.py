@@ -110,10 +110,11 @@ class Residency:
             unique = core.table.unique(rows)
             if not self._fits(pool, unique):
                 return None
-            lost = unique[core.table.state[unique] == S_DROPPED]
-            if len(lost):
-                raise PageLost(f"pages {core.table.ids_text(lost)} were dropped")
-            restored = _Acquire(core, pool, unique).run(deadline)
+            state = core.table.state[unique]  # read once: the acquire starts from it
+            dropped = state == S_DROPPED
+            if dropped.any():
+                raise PageLost(f"pages {core.table.ids_text(unique[dropped])} were dropped")
+            restored = _Acquire(core, pool, unique, state).run(deadline)
             if restored:
                 core.counters.restore_latencies.append(time.monotonic() - start)
                 del core.counters.restore_latencies[:-4096]
@@ -216,14 +217,16 @@ class _Acquire:
     """One acquire's progress: pins what is resident, waits for the rest, drives their legs
     up (disk -> CPU -> GPU), and undoes its pins and waits if it fails."""
 
-    def __init__(self, core: EngineCore, pool: Pool, rows: np.ndarray) -> None:
+    def __init__(self, core: EngineCore, pool: Pool, rows: np.ndarray, state: np.ndarray) -> None:
+        """``state``: the rows' states, read under the lock this acquire still holds."""
         self.core, self.pool, self.rows = core, pool, rows
         t = core.table
         self.gens = t.gen[rows]
-        resident = t.state[rows] == S_GPU
-        away = ~resident
-        self.pending, self.pending_gens = rows[away], self.gens[away]
-        self.pinned = rows[resident]  # pinned here; the rest are pinned by ``land``
+        self.removals = t.removals  # unchanged: no page was freed, no generation to compare
+        away = state != S_GPU
+        self.pending, self.pending_gens = _where(rows, away), _where(self.gens, away)
+        self._states: np.ndarray | None = _where(state, away)  # valid until something lands
+        self.pinned = _where(rows, ~away)  # pinned here; the rest are pinned by ``land``
         hits = core.counters.hits
         for tier, count in enumerate(np.bincount(t.tier[rows], minlength=3).tolist()):
             hits[Tier(tier)] += count
@@ -239,9 +242,11 @@ class _Acquire:
         t.waiting[self.pending] += 1  # also keeps either cascade from pushing them down
         counted = False
         try:
-            going = self.pending[t.state[self.pending] == S_DOWN]
+            assert self._states is not None
+            going = _where(self.pending, self._states == S_DOWN)
             still = bool(len(self.pending))
             if len(going) and len(core.cancel(going)):  # ``land`` pinned them
+                self._states = None
                 still = self._still_waiting()
             if still:
                 core.restore_waiters += 1
@@ -260,10 +265,12 @@ class _Acquire:
         finally:
             if counted:
                 core.restore_waiters -= 1
-        freed = t.gen[self.rows] != self.gens  # a page that landed and was freed at once
+        # A page that landed and was freed at once (no removal at all: none was).
+        freed = t.gen[self.rows] != self.gens if t.removals != self.removals else EMPTY
         if freed.any():
             self._undo()
-            raise NotFound(f"pages {self._ids(self.rows[freed])} were freed while being acquired")
+            listed = self.core.table.ids_text(self.rows[freed], gens=self.gens[freed])
+            raise NotFound(f"pages {listed} were freed while being acquired")
         # Pages that landed had their hit and touch counted by ``land``: the resident ones here.
         t.hits[self.pinned] += 1
         self.pool.policy.touch(self.pinned)
@@ -281,9 +288,10 @@ class _Acquire:
             rows, gens = self.pending, self.pending_gens = rows[still], gens[still]
         if not len(rows):
             return False
-        freed = t.gen[rows] != gens
+        freed = t.gen[rows] != gens if t.removals != self.removals else EMPTY
         if freed.any():
-            raise NotFound(f"pages {self._ids(rows[freed])} were freed while being acquired")
+            listed = t.ids_text(rows[freed], gens=gens[freed])
+            raise NotFound(f"pages {listed} were freed while being acquired")
         lost = t.state[rows] == S_DROPPED
         if lost.any():
             raise PageLost(f"pages {self._ids(rows[lost])} were dropped and must be recomputed")
@@ -314,9 +322,10 @@ class _Acquire:
     def _start_up(self) -> None:
         """Start the next leg toward the GPU for pending pages that wait in CPU or on disk."""
         core, pool, t = self.core, self.pool, self.core.table
-        states = t.state[self.pending]
-        on_cpu = self.pending[states == S_CPU]
-        on_disk = self.pending[states == S_DISK]
+        states = t.state[self.pending] if self._states is None else self._states
+        self._states = None  # from now on pages may land meanwhile: read them again
+        on_cpu = _where(self.pending, states == S_CPU)
+        on_disk = _where(self.pending, states == S_DISK) if len(on_cpu) < len(states) else EMPTY
         if not len(on_cpu) and not len(on_disk):
             return
         # GPU room first: the victims need CPU slots that disk restores would otherwise take.
@@ -338,6 +347,14 @@ class _Acquire:
         held = held[t.pins[held] > 0]
         if len(held):
             core.unpin(self.pool, held)
+
+
+def _where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``values[mask]``, without the copy when ``mask`` selects all or nothing (the common
+    cases for a large acquire: two reductions instead of a compress)."""
+    if mask.all():
+        return values
+    return values[mask] if mask.any() else values[:0]
 
 
 def _wait(core: EngineCore, deadline: float) -> bool:

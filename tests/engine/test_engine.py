@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from kvtier import PageState, Tier
 from kvtier.errors import FailedPrecondition, InvalidArgument, NotFound, PageLost
+from kvtier.types import Direction
 from tests.conftest import PAGE
 
 
@@ -83,6 +85,47 @@ def test_cpu_cascade_spares_the_pages_an_acquire_waits_for(make_engine):
     assert states == {PageState.DROPPED}  # the cascade took the next oldest instead
     assert engine.stats().counters.drops["cpu_full"] == 4
     engine.release(pool.pool_id, oldest)
+
+
+def test_a_page_freed_while_its_acquire_waits_fails_the_acquire_naming_it(make_engine):
+    """The acquire waits on a disk read (held at a gate); a page it waits for is freed
+    meanwhile: the acquire raises NotFound for that page and holds nothing."""
+    engine = make_engine(cpu_memory_gb=8 * PAGE / 2**30, disk_admission="always")
+    pool = engine.attach("t", 4)
+    ids = []
+    for _ in range(6):  # 24 pages through a 4-slot GPU and an 8-page CPU tier
+        got = [p for p, _ in engine.allocate(pool.pool_id, 4)]
+        engine.release(pool.pool_id, got)
+        ids += got
+    on_disk = [p for p in ids if engine.page_info(pool.pool_id, p).tier is Tier.DISK][:2]
+    assert len(on_disk) == 2
+    gate = threading.Event()
+    reader = engine._core.scheduler._handlers[Direction.DISK_TO_CPU]
+    real = reader.run
+    reader.run = lambda batch: (gate.wait(10), real(batch))[1]  # the real read, held back
+    errors: list[BaseException] = []
+
+    def acquire() -> None:
+        try:
+            engine.acquire(pool.pool_id, on_disk)
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=acquire)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while engine.page_info(pool.pool_id, on_disk[0]).state is not PageState.MOVING_UP:
+        assert time.monotonic() < deadline, "the disk read never started"
+        time.sleep(0.001)
+    engine.free(pool.pool_id, on_disk[:1])
+    gate.set()
+    waiter.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], NotFound), errors
+    assert str(on_disk[0]) in str(errors[0]) and str(on_disk[1]) not in str(errors[0])
+    assert engine.wait_idle(10)
+    with pytest.raises(NotFound):
+        engine.page_info(pool.pool_id, on_disk[0])
+    assert engine.page_info(pool.pool_id, on_disk[1]).pins == 0  # the failed acquire held none
 
 
 def test_pinned_pages_never_move(make_engine):
