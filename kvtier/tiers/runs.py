@@ -89,10 +89,11 @@ def as_slots(slots: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def ascending(slots: np.ndarray) -> tuple[np.ndarray, bool]:
     """``slots`` in ascending order (no copy if already so) and whether they are all distinct."""
-    if len(slots) < 2 or bool((np.diff(slots) > 0).all()):
+    # Comparisons of the array against itself shifted by one: no difference array.
+    if len(slots) < 2 or bool(np.greater(slots[1:], slots[:-1]).all()):
         return slots, True
     ordered = np.sort(slots)
-    return ordered, bool((np.diff(ordered) != 0).all())
+    return ordered, bool(np.not_equal(ordered[1:], ordered[:-1]).all())
 
 
 def run_bounds(slots: np.ndarray, per_chunk: int) -> tuple[np.ndarray, np.ndarray]:
