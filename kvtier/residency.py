@@ -103,7 +103,7 @@ class Residency:
         start = time.monotonic()
         deadline = start + (core.config.restore_timeout_s if timeout is None else timeout)
         ids = check_ids("page_ids", page_ids)
-        with core.cond:
+        with core.scheduler.restore_first(), core.cond:
             core.check_open()
             pool = core.pool_of(pool_id)
             rows = core.table.rows(pool_id, ids)

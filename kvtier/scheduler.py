@@ -16,6 +16,9 @@ Contract:
       batches before waiting on the oldest (up to its handlers' ``depth`` in flight: three on
       CUDA, two on disk and CPU mode). Bytes in flight across lanes never exceed
       ``max_inflight_bytes`` (a batch waits for room).
+    * ``restore_first()``: while any caller is inside it (an acquire), a lane whose next batch
+      is a plain (not urgent) offload keeps one batch in flight instead of its depth: the copy
+      engine stays busy, the launch work waits, the restore's thread gets the interpreter.
     * ``cancel(batch, rows)`` takes the columns of page-table ``rows`` out of a still-queued batch
       and returns them as ``(rows, srcs, dsts)`` (empty when the batch was already taken).
     * ``on_complete(batch, results, seconds)`` is called on the lane thread after every batch,
@@ -25,11 +28,12 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -81,6 +85,10 @@ class _Lane:
 
     def _head(self) -> deque[Moves] | None:
         return next((q for q in self.queues if q), None)
+
+    def plain_offload_next(self) -> bool:
+        """Whether the next batch would be a plain (not urgent) offload."""
+        return self._head() is self.queues[3]
 
     def count(self, restores: bool) -> int:
         """Queued page moves (columns) of restores or of offloads."""
@@ -142,6 +150,8 @@ class TransferScheduler:
         self._inflight = 0
         self._closed = False
         self._last_end: dict[Direction, float] = {}
+        self._restoring = 0  # callers inside ``restore_first``
+        self._restoring_lock = threading.Lock()
         for name, lane in self._lanes.items():
             mine = [h.depth for d, h in self._handlers.items() if _LANE_OF[d] == name]
             lane.depth = max(1, min(mine, default=2))
@@ -177,6 +187,20 @@ class TransferScheduler:
                 queue.remove(batch)
             return cols
 
+    @contextlib.contextmanager
+    def restore_first(self) -> Iterator[None]:
+        """Restores first on the interpreter too: while any caller is inside this block (an
+        acquire), a lane launches plain offloads one batch at a time (their copies keep
+        running; the launch work between them waits), so the restore's own steps seldom
+        queue behind an offload launch for the interpreter lock."""
+        with self._restoring_lock:
+            self._restoring += 1
+        try:
+            yield
+        finally:
+            with self._restoring_lock:
+                self._restoring -= 1
+
     def depth(self) -> tuple[int, int]:
         """(queued restores, queued offloads)."""
         with self._cond:
@@ -205,12 +229,13 @@ class TransferScheduler:
                 if self._closed and not pending and not done:
                     return
                 more = not self._closed and self._ready(lane)
-                if more and len(pending) < lane.depth:
+                depth = 1 if self._restoring and lane.plain_offload_next() else lane.depth
+                if more and len(pending) < depth:
                     batch = lane.take(self._batch_bytes, TAIL_PAGES)
                     self._inflight += batch.nbytes
             if batch is not None:
                 pending.append(self._launch(batch))
-                if len(pending) < lane.depth:
+                if len(pending) < depth:
                     continue  # more may be ready: launch before waiting
             if pending:
                 done.append(self._wait(pending.popleft()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -215,3 +216,58 @@ def test_a_lane_keeps_copying_while_completions_are_refused_and_completes_in_ord
         assert completed == list(range(6))  # in launch order
     finally:
         sched.close(1)
+
+
+class InFlight(TransferHandler):
+    """Counts batches launched and not yet waited for; its copies take a moment each."""
+
+    depth = 3
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def run(self, batch: Moves) -> list[bool]:
+        return self.launch(batch)()
+
+    def launch(self, batch: Moves):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+        def wait() -> list[bool]:
+            threading.Event().wait(0.002)
+            with self.lock:
+                self.now -= 1
+            return [True] * len(batch)
+
+        return wait
+
+
+def _most_in_flight(restoring: bool, urgent: bool) -> int:
+    handlers = {d: InFlight(d) for d in Direction}
+    done: list[int] = []
+    sched = TransferScheduler(
+        handlers,
+        batch_bytes=4096,
+        max_inflight_bytes=1 << 20,
+        on_complete=lambda b, rs, s: done.extend(b.srcs),
+    )
+    try:
+        with sched.restore_first() if restoring else contextlib.nullcontext():
+            sched.submit([mv(Direction.GPU_TO_CPU, [i], urgent=urgent) for i in range(12)])
+            for _ in range(1000):
+                if len(done) == 12:
+                    break
+                threading.Event().wait(0.005)
+        assert sorted(done) == list(range(12))
+        return handlers[Direction.GPU_TO_CPU].most
+    finally:
+        sched.close(1)
+
+
+def test_plain_offloads_go_one_batch_at_a_time_while_a_restore_is_waited_for():
+    assert _most_in_flight(restoring=False, urgent=False) == 3  # the handler's depth
+    assert _most_in_flight(restoring=True, urgent=False) == 1
+    assert _most_in_flight(restoring=True, urgent=True) == 3  # they make room for it
