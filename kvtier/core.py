@@ -23,6 +23,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -295,6 +296,26 @@ class EngineCore:
                 out += batches
         return len(rows)
 
+    def start_as_taken(
+        self,
+        rows: np.ndarray,
+        direction: Direction,
+        take: Callable[[int], np.ndarray],
+        *,
+        urgent: bool,
+    ) -> int:
+        """``start_many`` with each chunk's slots taken (``take(k)``: up to ``k``) just before
+        it is prepared, so copies start before the rest is taken; stops at a short take."""
+        queued = 0
+        for lo, hi in growing_chunks(len(rows), self._batch_pages(rows)):
+            slots = take(hi - lo)
+            queued += self.start_many(
+                rows[lo:hi], direction, slots, urgent=urgent, chunked=False, final=hi == len(rows)
+            )
+            if len(slots) < hi - lo:
+                break
+        return queued
+
     def _batch_pages(self, rows: np.ndarray) -> int:
         return max(1, self.config.batch_bytes // int(self.table.size[rows[0]])) if len(rows) else 1
 
@@ -307,16 +328,11 @@ class EngineCore:
         queued = 0
         for size, pos in by_value(t.size[todo]):
             group = todo if len(pos) == len(todo) else todo[pos]
-            # CPU slots a chunk at a time: the first copies start before the rest is prepared.
-            for lo, hi in growing_chunks(len(group), self._batch_pages(group)):
-                part = group[lo:hi]
-                slots = self.cascade.cpu_slots(size, len(part))
-                queued += self.start_many(
-                    part, Direction.GPU_TO_CPU, slots, urgent=urgent, chunked=False,
-                    final=hi == len(group),
-                )
-                if len(slots) < len(part):
-                    return queued
+            cpu_slots = functools.partial(self.cascade.cpu_slots, size)
+            started = self.start_as_taken(group, Direction.GPU_TO_CPU, cpu_slots, urgent=urgent)
+            queued += started
+            if started < len(group):  # the CPU tier (and its cascade) ran out of room
+                return queued
         return queued
 
     def restore_cpu(self, pool: Pool, rows: np.ndarray, *, urgent: bool = True) -> int:
@@ -331,17 +347,8 @@ class EngineCore:
             return 0
         up = Direction.CPU_TO_GPU
         if not urgent or n * pool.page_size > INLINE_RESTORE_BYTES or self.closed:
-            # GPU slots a chunk at a time too: the first copies start before the rest is taken.
-            started = 0
-            for lo, hi in growing_chunks(n, self._batch_pages(rows)):
-                part = pool.dev.take(hi - lo)
-                assert part is not None
-                started += self.start_many(
-                    rows[lo:hi], up, part, urgent=urgent, chunked=False, final=hi == n
-                )
-            return started
-        slots = pool.dev.take(n)
-        assert slots is not None
+            return self.start_as_taken(rows[:n], up, pool.dev.take_some, urgent=urgent)
+        slots = pool.dev.take_some(n)
         batches: list[Moves] = []
         started = self.start_many(rows, up, slots, urgent=True, out=batches)
         for batch in batches:

@@ -139,6 +139,12 @@ class DevicePool:
             self._hint = last + 1  # the n lowest free slots are gone: none free below this
             return out
 
+    def take_some(self, n: int) -> np.ndarray:
+        """Up to ``n`` of the lowest free slots (sorted ``int64``; fewer when fewer are free)."""
+        slots = self.take(min(n, self._num_free))  # callers serialise takes (the engine lock)
+        assert slots is not None
+        return slots
+
     def give(self, slots: np.ndarray) -> None:
         """Return ``slots`` (any order, any int dtype).
 

@@ -168,3 +168,10 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_take_some_takes_what_is_free_lowest_first() -> None:
+    pool = DevicePool.allocate(8, 64, "cpu")
+    assert pool.take_some(3).tolist() == [0, 1, 2]
+    assert pool.take_some(10).tolist() == [3, 4, 5, 6, 7]  # fewer are free: all of them
+    assert pool.take_some(1).tolist() == [] and pool.num_free == 0
