@@ -73,7 +73,12 @@ class EngineCore:
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
-        self.cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        # Acquires waiting for a number of restore moves to end (``wait_restores``): woken by
+        # the completion that reaches their target, not by every batch.
+        self._landings = threading.Condition(lock)
+        self._landing_targets: list[int] = []
         self.table = PageTable()
         self.pools: dict[PoolId, Pool] = {}
         self.counters = EngineCounters()
@@ -96,7 +101,7 @@ class EngineCore:
         self.disk_policy: dict[int, RowPolicy] = {}
         self.ready = ReadyEvents(self.device)
         self.restore_waiters = 0  # acquires waiting on a restore (offload completions yield)
-        self.restores_ended = 0  # CPU->GPU moves completed or cancelled (acquires count them)
+        self.restores_ended = 0  # CPU->GPU moves completed or cancelled (``wait_restores``)
         self.admission = create_admission(config.disk_admission)
         self.closed = False
         handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
@@ -303,17 +308,25 @@ class EngineCore:
         take: Callable[[int], np.ndarray],
         *,
         urgent: bool,
+        then: Callable[[], object] | None = None,
     ) -> int:
         """``start_many`` with each chunk's slots taken (``take(k)``: up to ``k``) just before
-        it is prepared, so copies start before the rest is taken; stops at a short take."""
+        it is prepared, so copies start before the rest is taken; stops at a short take.
+        ``then()`` runs once the first chunk is queued (the caller's bookkeeping overlaps
+        the first copies; the lock held meanwhile keeps every completion out)."""
         queued = 0
         for lo, hi in growing_chunks(len(rows), self._batch_pages(rows)):
             slots = take(hi - lo)
             queued += self.start_many(
                 rows[lo:hi], direction, slots, urgent=urgent, chunked=False, final=hi == len(rows)
             )
+            if then is not None:
+                then()
+                then = None
             if len(slots) < hi - lo:
                 break
+        if then is not None:
+            then()
         return queued
 
     def _batch_pages(self, rows: np.ndarray) -> int:
@@ -335,19 +348,29 @@ class EngineCore:
                 return queued
         return queued
 
-    def restore_cpu(self, pool: Pool, rows: np.ndarray, *, urgent: bool = True) -> int:
-        """CPU->GPU for as many pages as the pool has free slots.
+    def restore_cpu(
+        self,
+        pool: Pool,
+        rows: np.ndarray,
+        *,
+        urgent: bool = True,
+        then: Callable[[], object] | None = None,
+    ) -> int:
+        """CPU->GPU for as many pages as the pool has free slots; ``then()`` runs before any
+        of them can land (after the first queued chunk, or first of all).
 
         A small urgent restore (at most ``INLINE_RESTORE_BYTES``) runs right here on the caller's
         thread with its own stream and staging: no hand-off to a lane and back, which under an
         offload backlog costs more than the copy. Larger ones are queued on the up lane.
         """
         n = min(pool.dev.num_free, len(rows))
+        up = Direction.CPU_TO_GPU
+        if n and (not urgent or n * pool.page_size > INLINE_RESTORE_BYTES or self.closed):
+            return self.start_as_taken(rows[:n], up, pool.dev.take_some, urgent=urgent, then=then)
+        if then is not None:
+            then()
         if not n:
             return 0
-        up = Direction.CPU_TO_GPU
-        if not urgent or n * pool.page_size > INLINE_RESTORE_BYTES or self.closed:
-            return self.start_as_taken(rows[:n], up, pool.dev.take_some, urgent=urgent)
         slots = pool.dev.take_some(n)
         batches: list[Moves] = []
         started = self.start_many(rows, up, slots, urgent=True, out=batches)
@@ -404,7 +427,7 @@ class EngineCore:
         frees = Frees()
         self.bulk.finish(batch, start, end, results, frees)
         if batch.direction is Direction.CPU_TO_GPU:
-            self.restores_ended += end - start
+            self._restores_end(end - start)
         frees.apply(self)
         if end >= n:  # the last chunk also counts the batch
             self._count(batch, results, seconds)
@@ -424,6 +447,33 @@ class EngineCore:
         c.batches += 1
         c.seconds += seconds
 
+    def _restores_end(self, n: int) -> None:
+        self.restores_ended += n
+        targets = self._landing_targets
+        if targets and self.restores_ended >= min(targets):
+            self._landings.notify_all()
+
+    def wake_all(self) -> None:
+        """Wake every waiter (lock held): the engine is closing."""
+        self.cond.notify_all()
+        self._landings.notify_all()
+
+    def wait_restores(self, target: int, deadline: float) -> bool:
+        """Wait (lock held, released meanwhile) until ``restores_ended`` reaches ``target``;
+        False if ``deadline`` passed first. Wakes once, not per batch; looks again every 50 ms
+        (and raises ``Unavailable`` once the engine is closed)."""
+        self._landing_targets.append(target)
+        try:
+            while self.restores_ended < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._landings.wait(min(remaining, 0.05))
+                self.check_open()
+            return True
+        finally:
+            self._landing_targets.remove(target)
+
     def cancel(self, rows: np.ndarray) -> np.ndarray:
         """Take back the queued (not started) moves of ``rows``: those pages stay where they
         were. Returns the rows cancelled; the others' moves are under way (or there are none).
@@ -442,7 +492,7 @@ class EngineCore:
                 continue
             self.counters.cancelled_offloads += 0 if batch.direction.is_restore else len(got)
             if batch.direction is Direction.CPU_TO_GPU:
-                self.restores_ended += len(got)
+                self._restores_end(len(got))
             frees = Frees()
             failed = np.zeros(len(got), dtype=bool)
             self.bulk.finish_cols(batch.direction, got, srcs, dsts, failed, frees, corrupt=False)

@@ -345,7 +345,7 @@ class TierEngine:
             if core.closed:
                 return
             core.closed = True
-            core.cond.notify_all()
+            core.wake_all()
         self._watermarks.stop()
         core.scheduler.close(grace)
         core.inline_restore.close()

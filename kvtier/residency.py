@@ -25,7 +25,7 @@ from kvtier.errors import (
     NotFound,
     PageLost,
 )
-from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED, S_GPU, S_UP
+from kvtier.pagetable import EMPTY, ROW_BITS, S_CPU, S_DISK, S_DOWN, S_DROPPED, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_priority
@@ -110,11 +110,9 @@ class Residency:
             unique = core.table.unique(rows)
             if not self._fits(pool, unique):
                 return None
-            state = core.table.state[unique]  # read once: the acquire starts from it
-            dropped = state == S_DROPPED
-            if dropped.any():
-                raise PageLost(f"pages {core.table.ids_text(unique[dropped])} were dropped")
-            restored = _Acquire(core, pool, unique, state).run(deadline)
+            # The generations the ids carry (``rows`` checked them): no gather when no repeats.
+            gens = ids >> ROW_BITS if unique is rows else core.table.gen[unique]
+            restored = _Acquire(core, pool, unique, gens).run(deadline)
             if restored:
                 core.counters.restore_latencies.append(time.monotonic() - start)
                 del core.counters.restore_latencies[:-4096]
@@ -122,7 +120,10 @@ class Residency:
             return slots if isinstance(page_ids, np.ndarray) else slots.tolist()
 
     def _fits(self, pool: Pool, unique: np.ndarray) -> bool:
-        """Whether the pool can hold ``unique`` pinned at once beside the other pinned pages."""
+        """Whether the pool can hold ``unique`` pinned at once beside the other pinned pages
+        (the pins of ``unique`` itself are read only when the answer depends on them)."""
+        if len(unique) <= pool.num_slots - pool.pinned:
+            return True
         mine = int(np.count_nonzero(self._core.table.pins[unique] > 0))
         return len(unique) <= pool.num_slots - (pool.pinned - mine)
 
@@ -217,19 +218,36 @@ class _Acquire:
     """One acquire's progress: pins what is resident, waits for the rest, drives their legs
     up (disk -> CPU -> GPU), and undoes its pins and waits if it fails."""
 
-    def __init__(self, core: EngineCore, pool: Pool, rows: np.ndarray, state: np.ndarray) -> None:
-        """``state``: the rows' states, read under the lock this acquire still holds."""
-        self.core, self.pool, self.rows = core, pool, rows
+    def __init__(self, core: EngineCore, pool: Pool, rows: np.ndarray, gens: np.ndarray) -> None:
+        """``gens``: the rows' generations; the states are read here, once, under the lock
+        this acquire still holds. Raises ``PageLost`` (nothing changed) for dropped pages."""
+        self.core, self.pool, self.rows, self.gens = core, pool, rows, gens
         t = core.table
-        self.gens = t.gen[rows]
         self.removals = t.removals  # unchanged: no page was freed, no generation to compare
-        away = state != S_GPU
-        self.pending, self.pending_gens = _where(rows, away), _where(self.gens, away)
+        state = t.state[rows]
+        first = int(state[0])
+        uniform = bool((state == first).all())  # the common case: one comparison pass
+        dropped = (first == S_DROPPED) if uniform else state == S_DROPPED
+        if np.any(dropped):
+            lost = rows if uniform else rows[dropped]
+            raise PageLost(f"pages {t.ids_text(lost)} were dropped")
+        away = first != S_GPU if uniform else state != S_GPU
+        self.pending, self.pending_gens = _where(rows, away), _where(gens, away)
         self._states: np.ndarray | None = _where(state, away)  # valid until something lands
-        self.pinned = _where(rows, ~away)  # pinned here; the rest are pinned by ``land``
-        hits = core.counters.hits
-        for tier, count in enumerate(np.bincount(t.tier[rows], minlength=3).tolist()):
-            hits[Tier(tier)] += count
+        self._resident = np.logical_not(away)
+        self.pinned = _where(rows, self._resident)  # pinned here; the rest by ``land``
+        self._waits_counted = False
+        self._count_hits(first if uniform else None)
+
+    def _count_hits(self, state: int | None) -> None:
+        """A hit per page in the tier it was found in (``state``: every page's, if one)."""
+        hits, rows = self.core.counters.hits, self.rows
+        tier = _TIER_OF_STATE.get(state) if state is not None else None
+        if tier is not None:
+            hits[tier] += len(rows)
+            return
+        for code, count in enumerate(np.bincount(self.core.table.tier[rows], minlength=3)):
+            hits[Tier(code)] += int(count)
 
     def run(self, deadline: float) -> bool:
         """Pin everything (True if anything had to be restored); raises with nothing held.
@@ -239,15 +257,16 @@ class _Acquire:
         those and after each wait, not on every step."""
         core, t = self.core, self.core.table
         core.pin(self.pool, self.pinned)
-        t.waiting[self.pending] += 1  # also keeps either cascade from pushing them down
         counted = False
         try:
             assert self._states is not None
             going = _where(self.pending, self._states == S_DOWN)
             still = bool(len(self.pending))
-            if len(going) and len(core.cancel(going)):  # ``land`` pinned them
-                self._states = None
-                still = self._still_waiting()
+            if len(going):
+                self._count_waits()
+                if len(core.cancel(going)):  # ``land`` pinned them
+                    self._states = None
+                    still = self._still_waiting()
             if still:
                 core.restore_waiters += 1
                 counted = True
@@ -276,6 +295,14 @@ class _Acquire:
         self.pool.policy.touch(self.pinned)
         return counted
 
+    def _count_waits(self) -> None:
+        """Count this acquire in ``waiting`` of every pending page (once): ``land`` pins them
+        for it, and no cascade pushes them down. Due before anything can land, cascade or
+        release the lock; an all-CPU restore does it while its first chunk copies."""
+        if not self._waits_counted:
+            self.core.table.waiting[self.pending] += 1
+            self._waits_counted = True
+
     def _still_waiting(self) -> bool:
         """Drop pages that landed from ``pending``; raise for pages lost or freed meanwhile.
         One pass over the ``waiting`` column; the rest only over what still waits."""
@@ -299,22 +326,13 @@ class _Acquire:
 
     def _wait_landings(self, deadline: float) -> bool:
         """Wait for progress (False: the deadline passed). While every pending page is on its
-        way CPU -> GPU, nothing can change for them but the end of those moves, so wake-ups
-        look again only once that many restore moves have ended (or a wait times out): a
-        large acquire no longer re-reads its pages, holding the lock, at every batch."""
+        way CPU -> GPU, nothing can change for them but the end of those moves, so the acquire
+        sleeps until that many restore moves have ended: one wake-up, not one per batch (each
+        would take the lock and the interpreter from the lane completing the next)."""
         core, t, pending = self.core, self.core.table, self.pending
         if not ((t.state[pending] == S_UP) & (t.tier[pending] == Tier.CPU)).all():
             return _wait(core, deadline)
-        seen = core.restores_ended
-        while core.restores_ended - seen < len(pending):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            woke = core.cond.wait(min(remaining, 0.05))
-            core.check_open()
-            if not woke:
-                break
-        return True
+        return core.wait_restores(core.restores_ended + len(pending), deadline)
 
     def _ids(self, rows: np.ndarray) -> str:
         return self.core.table.ids_text(rows)
@@ -327,18 +345,25 @@ class _Acquire:
         on_cpu = _where(self.pending, states == S_CPU)
         on_disk = _where(self.pending, states == S_DISK) if len(on_cpu) < len(states) else EMPTY
         if not len(on_cpu) and not len(on_disk):
+            self._count_waits()
             return
         # GPU room first: the victims need CPU slots that disk restores would otherwise take.
         short = len(on_cpu) + len(on_disk) - pool.dev.num_free
+        if short > 0 or len(on_disk):
+            self._count_waits()  # before a cascade could choose these pages
         if short > 0:
             make_room(core, pool, short)
-        core.restore_cpu(pool, on_cpu)
+        core.restore_cpu(pool, on_cpu, then=self._count_waits)
         if short <= 0 and len(on_disk):
             core.restore_disk(on_disk)
 
     def _undo(self) -> None:
         """Unpin what this acquire pinned; withdraw its waits from pages not yet landed."""
         core, t = self.core, self.core.table
+        if not self._waits_counted:  # nothing landed for it: only its own pins to undo
+            mine = self.pinned[t.gen[self.pinned] == _where(self.gens, self._resident)]
+            core.unpin(self.pool, mine[t.pins[mine] > 0])
+            return
         alive = self.rows[t.gen[self.rows] == self.gens]
         waiting = alive[t.waiting[alive] > 0]
         waiting = waiting[np.isin(waiting, self.pending)] if len(waiting) else EMPTY
@@ -349,12 +374,17 @@ class _Acquire:
             core.unpin(self.pool, held)
 
 
-def _where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+# The tier a page in each (settled or moving-down) state has its bytes in.
+_TIER_OF_STATE = {S_GPU: Tier.GPU, S_CPU: Tier.CPU, S_DISK: Tier.DISK, S_DOWN: Tier.GPU}
+
+
+def _where(values: np.ndarray, mask: np.ndarray | bool) -> np.ndarray:
     """``values[mask]``, without the copy when ``mask`` selects all or nothing (the common
-    cases for a large acquire: two reductions instead of a compress)."""
-    if mask.all():
+    cases for a large acquire: two reductions instead of a compress; a plain bool selects
+    all or nothing)."""
+    if np.all(mask):
         return values
-    return values[mask] if mask.any() else values[:0]
+    return values[mask] if np.any(mask) else values[:0]
 
 
 def _wait(core: EngineCore, deadline: float) -> bool:
