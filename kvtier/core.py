@@ -256,15 +256,19 @@ class EngineCore:
         acquire's tail after its last page landed."""
         t = self.table
         waiting = t.waiting[rows]
-        if waiting.any():
-            some = waiting > 0
-            if not some.all():
-                rows, waiting = rows[some], waiting[some]
-            self.pin(pool, rows, waiting)
-            t.waiting[rows] = 0
-            t.hits[rows] += waiting
-            if pool.policy.touch_after_insert:  # ``settle`` inserted them just now
-                pool.policy.touch(rows)
+        if not waiting.all():  # counts are >= 0: all() is "every page is waited for"
+            some = np.flatnonzero(waiting)
+            if not len(some):
+                return
+            rows, waiting = rows[some], waiting[some]
+        # A page off the GPU carries no pins (only resident pages are pinned; a pinned page
+        # never moves), so the waits simply become its pins.
+        t.pins[rows] = waiting
+        pool.pinned += len(rows)
+        t.waiting[rows] = 0
+        t.hits[rows] += waiting
+        if pool.policy.touch_after_insert:  # ``settle`` inserted them just now
+            pool.policy.touch(rows)
 
     def protect(self, rows: np.ndarray) -> None:
         self.table.protect[rows] += 1
