@@ -37,12 +37,13 @@ class Frees:
 
 
 def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in chunks of 1, 1, 2, 4, ... times ``step`` items: the first batch's copies
-    start at once, and each later chunk is prepared while the lanes copy the ones before it,
-    in a handful of passes whatever ``n``."""
-    out, lo, size = [], 0, step
+    """``[0, n)`` in chunks of 2, 4, 8, ... times ``step`` items: the first two batches'
+    copies start at once (a lane launches the second while the first copies, so it never waits
+    on the caller's next chunk with its copy engine idle), and each later chunk is prepared
+    while the lanes copy the ones before it, in a handful of passes whatever ``n``."""
+    out, lo, size = [], 0, 2 * step
     while lo < n:
         out.append((lo, min(n, lo + size)))
         lo += size
-        size = step if len(out) == 1 else 2 * size
+        size *= 2
     return out

@@ -239,6 +239,9 @@ class TransferScheduler:
                     continue  # more may be ready: launch before waiting
             if pending:
                 done.append(self._wait(pending.popleft()))
+                if not more:  # queued while this lane waited: launch it, not block on a lock
+                    with self._cond:
+                        more = not self._closed and self._ready(lane)
             # While more is queued, one completion per launch: completions deferred behind the
             # engine lock must not all run back to back while the copy engine runs dry.
             self._complete(done, block=not pending and not more, most=1 if more else len(done))

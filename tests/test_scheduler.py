@@ -271,3 +271,74 @@ def test_plain_offloads_go_one_batch_at_a_time_while_a_restore_is_waited_for():
     assert _most_in_flight(restoring=False, urgent=False) == 3  # the handler's depth
     assert _most_in_flight(restoring=True, urgent=False) == 1
     assert _most_in_flight(restoring=True, urgent=True) == 3  # they make room for it
+
+
+class Stepped(TransferHandler):
+    """Each launched batch's copy ends when the test says so; tells when a lane waits on one."""
+
+    depth = 3
+
+    def __init__(self) -> None:
+        self.launched: list[int] = []
+        self.waiting = threading.Event()
+        self.finish = threading.Event()
+
+    def run(self, batch: Moves) -> list[bool]:
+        return self.launch(batch)()
+
+    def launch(self, batch: Moves):
+        self.launched.append(int(batch.srcs[0]))
+
+        def wait() -> list[bool]:
+            self.waiting.set()
+            self.finish.wait(10)
+            return [True] * len(batch)
+
+        return wait
+
+
+def test_work_queued_while_a_lane_waits_is_launched_without_waiting_for_the_engine_lock():
+    """The lane waited on its only batch; a second one was queued meanwhile and a caller
+    holds the engine lock: the lane launches the second instead of blocking on the lock."""
+    held = threading.Event()
+    held.set()
+    completed: list[int] = []
+
+    def try_complete(batch: Moves, results: list[bool], seconds: float) -> bool:
+        if held.is_set():
+            return False
+        completed.extend(batch.srcs.tolist())
+        return True
+
+    def complete(batch: Moves, results: list[bool], seconds: float) -> None:
+        while held.is_set():
+            threading.Event().wait(0.005)
+        completed.extend(batch.srcs.tolist())
+
+    handler = Stepped()
+    sched = TransferScheduler(
+        {d: handler for d in Direction},
+        batch_bytes=4096,
+        max_inflight_bytes=1 << 20,
+        on_complete=complete,
+        try_complete=try_complete,
+    )
+    try:
+        sched.submit([mv(Direction.CPU_TO_GPU, [1])])
+        assert handler.waiting.wait(10)  # the lane waits on batch 1's copy
+        sched.submit([mv(Direction.CPU_TO_GPU, [2])])
+        handler.finish.set()  # batch 1 copied; its completion cannot run (lock held)
+        for _ in range(1000):
+            if len(handler.launched) == 2:
+                break
+            threading.Event().wait(0.005)
+        assert handler.launched == [1, 2] and not completed
+        held.clear()
+        for _ in range(1000):
+            if len(completed) == 2:
+                break
+            threading.Event().wait(0.005)
+        assert completed == [1, 2]
+    finally:
+        held.clear()  # a failed run must not leave close() blocked in ``complete``
+        sched.close(1)

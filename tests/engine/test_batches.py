@@ -96,3 +96,11 @@ def test_batch_counters_count_bytes_of_successes_only() -> None:
     assert c.seconds == 0.75
     core._count(Moves(Direction.CPU_TO_GPU, 4096, [0], [0]), [False], 0.0)  # close(): leftovers
     assert core.counters.moved[Direction.CPU_TO_GPU].failures == 1
+
+
+def test_growing_chunks_start_with_two_batches_and_double() -> None:
+    from kvtier.batches import growing_chunks
+
+    assert growing_chunks(16, 1) == [(0, 2), (2, 6), (6, 14), (14, 16)]
+    assert growing_chunks(3, 4) == [(0, 3)]
+    assert growing_chunks(0, 4) == []
