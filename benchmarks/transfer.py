@@ -6,7 +6,9 @@ For each page size, 1 GiB per batch of *scattered* pages (every other slot of a 
     * engine: ``offload`` + wait, ``acquire`` (restore), and both at once, end to end through the
       page table, scheduler and handlers; ``data path`` is the handlers' own time (counters);
     * restore latency (p50/p99) of a 1 MiB acquire, idle and while a 4 GiB offload backlog drains.
-All figures from one run, on one device. Writes a markdown table and JSON to ``--out``.
+All figures from one run, on one device; each GB/s figure is the median of ``--repeats`` (5)
+round trips (the JSON also has the engine's slowest and fastest). Writes a markdown table and
+JSON to ``--out``.
 
     python benchmarks/transfer.py --out results/   # needs CUDA; --device cpu for a smoke run
 """
@@ -40,15 +42,18 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def raw_copies(nbytes: int, page: int, device: torch.device) -> dict[str, float]:
+def raw_copies(nbytes: int, page: int, device: torch.device, repeats: int) -> dict[str, float]:
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     gpu2 = torch.empty_like(gpu)
     out = {}
-    for _ in range(2):  # warm-up, then measure
-        out["raw_d2h"] = nbytes / timed(lambda: host.copy_(gpu, non_blocking=True), device) / 1e9
-        out["raw_h2d"] = nbytes / timed(lambda: gpu.copy_(host, non_blocking=True), device) / 1e9
+    d2h, h2d = [], []
+    for _ in range(1 + repeats):  # warm-up, then the median of ``repeats``
+        d2h.append(timed(lambda: host.copy_(gpu, non_blocking=True), device))
+        h2d.append(timed(lambda: gpu.copy_(host, non_blocking=True), device))
+    out["raw_d2h"] = nbytes / statistics.median(d2h[1:]) / 1e9
+    out["raw_h2d"] = nbytes / statistics.median(h2d[1:]) / 1e9
     if device.type == "cuda":
         s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
@@ -58,7 +63,8 @@ def raw_copies(nbytes: int, page: int, device: torch.device) -> dict[str, float]
             with torch.cuda.stream(s2):
                 gpu2.copy_(host2, non_blocking=True)
 
-        out["raw_both"] = 2 * nbytes / timed(both, device) / 1e9
+        both_s = [timed(both, device) for _ in range(1 + repeats)][1:]
+        out["raw_both"] = 2 * nbytes / statistics.median(both_s) / 1e9
     n = min(nbytes // page, 4096)
     rows_g, rows_h = gpu[: n * page].view(n, page), host[: n * page].view(n, page)
     order = torch.randperm(n).tolist()
@@ -80,7 +86,8 @@ def wait_state(engine: TierEngine, pool_id, ids, state: PageState) -> None:
 
 
 def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64,
-                gc_freeze: bool = False, id_arrays: bool = True) -> dict[str, float]:
+                gc_freeze: bool = False, id_arrays: bool = True,
+                repeats: int = 5) -> dict[str, float]:
     n = nbytes // page
     cfg = OffloadConfig(
         device=str(device),
@@ -123,24 +130,28 @@ def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64
         out: dict[str, float] = {"first_offload_gbs": 2 * nbytes / first_offload_s / 1e9}
         from kvtier.types import Direction
 
-        d0 = moved[Direction.GPU_TO_CPU].seconds
-        t = timed(lambda: (engine.offload(pool.pool_id, a), engine.wait_idle(120)), device)
-        wait_state(engine, pool.pool_id, a, PageState.CPU)  # verified outside the timing
-        out["offload"] = nbytes / t / 1e9
-        out["offload_datapath"] = nbytes / (moved[Direction.GPU_TO_CPU].seconds - d0) / 1e9
-        # Zero the freed slots, so the check below proves the bytes came back from the host.
-        seg.index_fill_(0, torch.arange(0, 2 * n, 2, device=seg.device), 0)
-        d0 = moved[Direction.CPU_TO_GPU].seconds
-        t = timed(lambda: engine.acquire(pool.pool_id, a), device)
-        out["restore"] = nbytes / t / 1e9
-        out["restore_datapath"] = nbytes / (moved[Direction.CPU_TO_GPU].seconds - d0) / 1e9
-        for pid, data in sample.items():
-            assert torch.equal(seg[engine.page_info(pool.pool_id, pid).slot], data), (
-                "restored bytes differ"
+        down0, up0 = moved[Direction.GPU_TO_CPU].seconds, moved[Direction.CPU_TO_GPU].seconds
+        offs, ress = [], []
+        for _ in range(repeats):  # each figure is the median of ``repeats`` round trips
+            offs.append(
+                timed(lambda: (engine.offload(pool.pool_id, a), engine.wait_idle(120)), device)
             )
-        engine.release(pool.pool_id, a)
-        engine.offload(pool.pool_id, b)
-        wait_state(engine, pool.pool_id, b, PageState.CPU)
+            wait_state(engine, pool.pool_id, a, PageState.CPU)  # verified outside the timing
+            # Zero the freed slots, so the check below proves the bytes came back from the host.
+            seg.index_fill_(0, torch.arange(0, 2 * n, 2, device=seg.device), 0)
+            ress.append(timed(lambda: engine.acquire(pool.pool_id, a), device))
+            for pid, data in sample.items():
+                assert torch.equal(seg[engine.page_info(pool.pool_id, pid).slot], data), (
+                    "restored bytes differ"
+                )
+            engine.release(pool.pool_id, a)
+        total = repeats * nbytes
+        out["offload"] = nbytes / statistics.median(offs) / 1e9
+        out["offload_datapath"] = total / (moved[Direction.GPU_TO_CPU].seconds - down0) / 1e9
+        out["restore"] = nbytes / statistics.median(ress) / 1e9
+        out["restore_datapath"] = total / (moved[Direction.CPU_TO_GPU].seconds - up0) / 1e9
+        out["offload_range"] = [nbytes / max(offs) / 1e9, nbytes / min(offs) / 1e9]
+        out["restore_range"] = [nbytes / max(ress) / 1e9, nbytes / min(ress) / 1e9]
 
         def both() -> None:
             th = threading.Thread(target=lambda: engine.acquire(pool.pool_id, b))
@@ -149,9 +160,16 @@ def engine_case(page: int, nbytes: int, device: torch.device, batch_mb: int = 64
             th.join()
             engine.wait_idle(120)
 
-        out["both"] = 2 * nbytes / timed(both, device) / 1e9
-        wait_state(engine, pool.pool_id, a, PageState.CPU)
-        engine.release(pool.pool_id, b)
+        boths = []
+        for _ in range(repeats):  # a on the GPU, b on the CPU; then b up while a goes down
+            engine.offload(pool.pool_id, b)
+            wait_state(engine, pool.pool_id, b, PageState.CPU)
+            boths.append(timed(both, device))
+            wait_state(engine, pool.pool_id, a, PageState.CPU)
+            engine.release(pool.pool_id, b)
+            engine.acquire(pool.pool_id, a)
+            engine.release(pool.pool_id, a)
+        out["both"] = 2 * nbytes / statistics.median(boths) / 1e9
         return out
     finally:
         gc.unfreeze()
@@ -241,7 +259,12 @@ def main() -> None:
     ap.add_argument("--ids", choices=("array", "list"), default="array",
                     help="page ids passed to offload/acquire as an int64 array (slots come back "
                          "as one) or as Python lists")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="round trips per page size; every GB/s figure (raw and engine) is the "
+                         "median of that many (a single ~20 ms copy is a noisy sample)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     # As `kvtier serve` does: restores wait at most this long for the GIL behind lane work.
     sys.setswitchinterval(args.switch_us / 1e6)
     device = torch.device(args.device)
@@ -250,9 +273,10 @@ def main() -> None:
     rows = []
     for name in filter(None, args.pages.split(",")):  # --pages "": the latency case alone
         page = sizes[name]
-        raw = raw_copies(nbytes, page, device)
+        raw = raw_copies(nbytes, page, device, args.repeats)
         eng = engine_case(
-            page, nbytes, device, args.batch_mb, args.gc == "freeze", args.ids == "array"
+            page, nbytes, device, args.batch_mb, args.gc == "freeze", args.ids == "array",
+            args.repeats,
         )
         rows.append({"page": name, **raw, **eng})
         print(json.dumps(rows[-1]), flush=True)
@@ -269,13 +293,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     (args.out / "transfer.json").write_text(
         json.dumps(
-            {"device": name, "gc": args.gc, "ids": args.ids, "rows": rows, "latency": lat},
+            {"device": name, "gc": args.gc, "ids": args.ids, "repeats": args.repeats,
+             "rows": rows, "latency": lat},
             indent=2,
         )
     )
     lines = [
-        f"Device: {name}; batch {args.batch_gib} GiB of scattered pages; GB/s = 1e9 B/s; "
-        f"gc: {args.gc}; ids: {args.ids}",
+        f"Device: {name}; batch {args.batch_gib} GiB of scattered pages; GB/s = 1e9 B/s, "
+        f"median of {args.repeats}; gc: {args.gc}; ids: {args.ids}",
         "",
         "| page | raw D2H | raw H2D | raw both | loop D2H | engine offload (data path) | engine restore (data path) | engine both | offload/raw | restore/raw |",
         "|---|---|---|---|---|---|---|---|---|---|",
