@@ -35,6 +35,7 @@ from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
 from kvtier.events import Event, EventHub
+from kvtier.landings import Landings
 from kvtier.pagetable import (
     S_DISK,
     S_DROPPED,
@@ -75,10 +76,7 @@ class EngineCore:
         self.device = torch.device(config.resolved_device())
         lock = threading.RLock()
         self.cond = threading.Condition(lock)
-        # Acquires waiting for a number of restore moves to end (``wait_restores``): woken by
-        # the completion that reaches their target, not by every batch.
-        self._landings = threading.Condition(lock)
-        self._landing_targets: list[int] = []
+        self.landings = Landings(lock)  # CPU->GPU moves ended; acquires wait for theirs
         self.table = PageTable()
         self.pools: dict[PoolId, Pool] = {}
         self.counters = EngineCounters()
@@ -101,7 +99,6 @@ class EngineCore:
         self.disk_policy: dict[int, RowPolicy] = {}
         self.ready = ReadyEvents(self.device)
         self.restore_waiters = 0  # acquires waiting on a restore (offload completions yield)
-        self.restores_ended = 0  # CPU->GPU moves completed or cancelled (``wait_restores``)
         self.admission = create_admission(config.disk_admission)
         self.closed = False
         handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
@@ -431,7 +428,7 @@ class EngineCore:
         frees = Frees()
         self.bulk.finish(batch, start, end, results, frees)
         if batch.direction is Direction.CPU_TO_GPU:
-            self._restores_end(end - start)
+            self.landings.end(end - start)
         frees.apply(self)
         if end >= n:  # the last chunk also counts the batch
             self._count(batch, results, seconds)
@@ -451,32 +448,10 @@ class EngineCore:
         c.batches += 1
         c.seconds += seconds
 
-    def _restores_end(self, n: int) -> None:
-        self.restores_ended += n
-        targets = self._landing_targets
-        if targets and self.restores_ended >= min(targets):
-            self._landings.notify_all()
-
     def wake_all(self) -> None:
         """Wake every waiter (lock held): the engine is closing."""
         self.cond.notify_all()
-        self._landings.notify_all()
-
-    def wait_restores(self, target: int, deadline: float) -> bool:
-        """Wait (lock held, released meanwhile) until ``restores_ended`` reaches ``target``;
-        False if ``deadline`` passed first. Wakes once, not per batch; looks again every 50 ms
-        (and raises ``Unavailable`` once the engine is closed)."""
-        self._landing_targets.append(target)
-        try:
-            while self.restores_ended < target:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._landings.wait(min(remaining, 0.05))
-                self.check_open()
-            return True
-        finally:
-            self._landing_targets.remove(target)
+        self.landings.wake()
 
     def cancel(self, rows: np.ndarray) -> np.ndarray:
         """Take back the queued (not started) moves of ``rows``: those pages stay where they
@@ -496,7 +471,7 @@ class EngineCore:
                 continue
             self.counters.cancelled_offloads += 0 if batch.direction.is_restore else len(got)
             if batch.direction is Direction.CPU_TO_GPU:
-                self._restores_end(len(got))
+                self.landings.end(len(got))
             frees = Frees()
             failed = np.zeros(len(got), dtype=bool)
             self.bulk.finish_cols(batch.direction, got, srcs, dsts, failed, frees, corrupt=False)

@@ -271,9 +271,9 @@ class _Acquire:
                 core.restore_waiters += 1
                 counted = True
             while still:
-                ended = core.restores_ended
+                ended = core.landings.ended
                 self._start_up()
-                if core.restores_ended != ended and not self._still_waiting():
+                if core.landings.ended != ended and not self._still_waiting():
                     break  # a small restore ran inline
                 if not self._wait_landings(deadline):
                     raise DeadlineExceeded(f"acquire of {len(self.rows)} pages timed out")
@@ -332,7 +332,7 @@ class _Acquire:
         core, t, pending = self.core, self.core.table, self.pending
         if not ((t.state[pending] == S_UP) & (t.tier[pending] == Tier.CPU)).all():
             return _wait(core, deadline)
-        return core.wait_restores(core.restores_ended + len(pending), deadline)
+        return core.landings.wait(core.landings.ended + len(pending), deadline, core.check_open)
 
     def _ids(self, rows: np.ndarray) -> str:
         return self.core.table.ids_text(rows)
