@@ -234,8 +234,7 @@ class _Acquire:
         away = first != S_GPU if uniform else state != S_GPU
         self.pending, self.pending_gens = _where(rows, away), _where(gens, away)
         self._states: np.ndarray | None = _where(state, away)  # valid until something lands
-        self._resident = np.logical_not(away)
-        self.pinned = _where(rows, self._resident)  # pinned here; the rest by ``land``
+        self.pinned = _where(rows, np.logical_not(away))  # pinned here; the rest by ``land``
         self._waits_counted = False
         self._count_hits(first if uniform else None)
 
@@ -360,9 +359,10 @@ class _Acquire:
     def _undo(self) -> None:
         """Unpin what this acquire pinned; withdraw its waits from pages not yet landed."""
         core, t = self.core, self.core.table
-        if not self._waits_counted:  # nothing landed for it: only its own pins to undo
-            mine = self.pinned[t.gen[self.pinned] == _where(self.gens, self._resident)]
-            core.unpin(self.pool, mine[t.pins[mine] > 0])
+        if not self._waits_counted:
+            # Still in the lock hold that pinned them (waits are counted before anything can
+            # land, cascade or release the lock): nothing else happened to these pages.
+            core.unpin(self.pool, self.pinned)
             return
         alive = self.rows[t.gen[self.rows] == self.gens]
         waiting = alive[t.waiting[alive] > 0]
