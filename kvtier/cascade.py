@@ -94,7 +94,7 @@ class Cascade:
         if len(slots) < len(rows):
             core.drop(rows[len(slots) :], "disk_full")
         dsts = np.array(slots, dtype=np.int64)
-        core.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
+        core.starts.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
 
     def make_disk_room(self, page_size: int, n: int) -> None:
         core = self._core

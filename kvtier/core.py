@@ -3,10 +3,10 @@
 Contract (every method here runs with ``self.cond`` held, except ``complete`` which takes it):
     * Pages are page-table rows (int64 arrays of distinct rows); every step is one numpy pass
       or one policy call per batch, never Python work per page on the transfer paths.
-    * ``offload(rows)`` / ``restore_cpu(pool, rows)`` / ``restore_disk(rows)`` *prepare* moves
-      (``kvtier.bulk``): allocate the destination slots, mark the pages moving, take them out of
-      their tier's policy, and queue the batches. A page that gets no destination slot stays
-      where it was.
+    * ``starts`` (``kvtier.starts``: ``offload`` / ``restore_cpu`` / ``restore_disk``) queues
+      moves, prepared by ``bulk`` (``kvtier.bulk``): destination slots allocated, pages marked
+      moving and out of their tier's policy. A page that gets no destination slot stays where
+      it was.
     * ``complete(batch, results)`` finishes them: success frees the source slot and makes the
       destination the page's home; failure frees the destination and puts the page back (a failed
       disk read drops the page: its stored bytes are not trustworthy).
@@ -20,16 +20,14 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvtier.batches import Frees, growing_chunks
+from kvtier.batches import Frees
 from kvtier.bulk import BulkMoves
 from kvtier.cascade import Cascade
 from kvtier.config import MIB, OffloadConfig
@@ -50,6 +48,7 @@ from kvtier.policy.registry import create_row_policy
 from kvtier.pool import Pool
 from kvtier.readiness import ReadyEvents
 from kvtier.scheduler import TransferScheduler
+from kvtier.starts import INLINE_RESTORE_BYTES, Starts
 from kvtier.stats import EngineCounters
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.pinned import HostArena
@@ -60,11 +59,9 @@ from kvtier.types import Direction, PoolId, Tier
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskStore
 
-log = logging.getLogger(__name__)
 COMPLETE_CHUNK = 4096  # pages finished per engine-lock hold (a restore arriving waits one)
 YIELD_CHUNK = 1024  # ... while a restore is waiting, for offload batches
 YIELD_S = 0.0001  # and the pause between those chunks that lets the restore's thread in
-INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
 _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into one int64
 
 
@@ -112,6 +109,7 @@ class EngineCore:
         )
         self.cascade = Cascade(self)
         self.bulk = BulkMoves(self)
+        self.starts = Starts(self)
         self._reload_disk()
 
     def _reload_disk(self) -> None:
@@ -274,125 +272,6 @@ class EngineCore:
         """Distinct rows; a row removed meanwhile has ``protect`` 0 and stays so."""
         protect = self.table.protect
         protect[rows] = np.maximum(protect[rows] - 1, 0)
-
-    # -- prepare ---------------------------------------------------------------------------------
-    def start_many(
-        self,
-        rows: np.ndarray,
-        direction: Direction,
-        dsts: np.ndarray,
-        *,
-        urgent: bool,
-        out: list[Moves] | None = None,
-        chunked: bool = True,
-        final: bool = True,
-    ) -> int:
-        """Queue moves of ``rows`` (as many as there are ``dsts``) in growing chunks (a lane
-        splits each into batches). With ``out`` the batches are collected there instead (the
-        caller runs them). ``chunked=False``: one pass (the caller chunks; ``final`` says
-        whether this is its last chunk: a lane ends a drain on small batches only after it)."""
-        rows = rows[: len(dsts)]
-        chunks = growing_chunks(len(rows), self._batch_pages(rows)) if chunked else [(0, len(rows))]
-        for lo, hi in chunks:
-            last = final and hi == len(rows)
-            batches = self.bulk.prepare(rows[lo:hi], direction, dsts[lo:hi], urgent, last)
-            if out is None:
-                self.scheduler.submit(batches)
-            else:
-                out += batches
-        return len(rows)
-
-    def start_as_taken(
-        self,
-        rows: np.ndarray,
-        direction: Direction,
-        take: Callable[[int], np.ndarray],
-        *,
-        urgent: bool,
-        then: Callable[[], object] | None = None,
-    ) -> int:
-        """``start_many`` with each chunk's slots taken (``take(k)``: up to ``k``) just before
-        it is prepared, so copies start before the rest is taken; stops at a short take.
-        ``then()`` runs once the first chunk is queued (the caller's bookkeeping overlaps
-        the first copies; the lock held meanwhile keeps every completion out)."""
-        queued = 0
-        for lo, hi in growing_chunks(len(rows), self._batch_pages(rows)):
-            slots = take(hi - lo)
-            queued += self.start_many(
-                rows[lo:hi], direction, slots, urgent=urgent, chunked=False, final=hi == len(rows)
-            )
-            if then is not None:
-                then()
-                then = None
-            if len(slots) < hi - lo:
-                break
-        if then is not None:
-            then()
-        return queued
-
-    def _batch_pages(self, rows: np.ndarray) -> int:
-        return max(1, self.config.batch_bytes // int(self.table.size[rows[0]])) if len(rows) else 1
-
-    def offload(self, rows: np.ndarray, *, urgent: bool = False) -> int:
-        """Queue GPU->CPU for unpinned GPU pages; returns how many were queued."""
-        t = self.table
-        if not len(rows) or not self.config.enabled:
-            return 0
-        todo = rows[(t.state[rows] == S_GPU) & (t.pins[rows] == 0)]
-        queued = 0
-        for size, pos in by_value(t.size[todo]):
-            group = todo if len(pos) == len(todo) else todo[pos]
-            cpu_slots = functools.partial(self.cascade.cpu_slots, size)
-            started = self.start_as_taken(group, Direction.GPU_TO_CPU, cpu_slots, urgent=urgent)
-            queued += started
-            if started < len(group):  # the CPU tier (and its cascade) ran out of room
-                return queued
-        return queued
-
-    def restore_cpu(
-        self,
-        pool: Pool,
-        rows: np.ndarray,
-        *,
-        urgent: bool = True,
-        then: Callable[[], object] | None = None,
-    ) -> int:
-        """CPU->GPU for as many pages as the pool has free slots; ``then()`` runs before any
-        of them can land (after the first queued chunk, or first of all).
-
-        A small urgent restore (at most ``INLINE_RESTORE_BYTES``) runs right here on the caller's
-        thread with its own stream and staging: no hand-off to a lane and back, which under an
-        offload backlog costs more than the copy. Larger ones are queued on the up lane.
-        """
-        n = min(pool.dev.num_free, len(rows))
-        up = Direction.CPU_TO_GPU
-        if n and (not urgent or n * pool.page_size > INLINE_RESTORE_BYTES or self.closed):
-            return self.start_as_taken(rows[:n], up, pool.dev.take_some, urgent=urgent, then=then)
-        if then is not None:
-            then()
-        if not n:
-            return 0
-        slots = pool.dev.take_some(n)
-        batches: list[Moves] = []
-        started = self.start_many(rows, up, slots, urgent=True, out=batches)
-        for batch in batches:
-            begin = time.perf_counter()
-            try:
-                results = self.inline_restore.run(batch)
-            except Exception:
-                log.exception("inline restore of %d pages failed", len(batch))
-                results = [False] * len(batch)
-            self.complete(batch, results, time.perf_counter() - begin)
-        return started
-
-    def restore_disk(self, rows: np.ndarray) -> int:
-        """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
-        started = 0
-        for size, pos in by_value(self.table.size[rows]):
-            group = rows if len(pos) == len(rows) else rows[pos]
-            slots = self.cascade.cpu_slots(size, len(group))
-            started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
-        return started
 
     # -- complete --------------------------------------------------------------------------------
     def complete(

@@ -225,7 +225,7 @@ class TierEngine:
         with core.cond:
             self._core_open()
             self._pool(pool_id)
-            return core.offload(core.table.unique(core.table.rows(pool_id, ids)))
+            return core.starts.offload(core.table.unique(core.table.rows(pool_id, ids)))
 
     def prefetch(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:
         core = self._core
@@ -237,7 +237,8 @@ class TierEngine:
             states = core.table.state[rows]
             on_cpu = rows[states == S_CPU][: pool.dev.num_free]
             on_disk = rows[states == S_DISK]
-            return core.restore_cpu(pool, on_cpu, urgent=False) + core.restore_disk(on_disk)
+            starts = core.starts
+            return starts.restore_cpu(pool, on_cpu, urgent=False) + starts.restore_disk(on_disk)
 
     def set_priority(self, pool_id: PoolId, page_ids: Sequence[PageId], priority: float) -> None:
         check_priority("priority", priority)

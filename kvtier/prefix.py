@@ -211,7 +211,7 @@ class PrefixStore:
                     return rows
                 on_disk = rows[states == S_DISK]
                 if len(on_disk):
-                    core.restore_disk(on_disk)
+                    core.starts.restore_disk(on_disk)
                 core.cancel(rows[states == S_DOWN])
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded("load: restoring stored blocks from disk timed out")

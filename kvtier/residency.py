@@ -211,7 +211,7 @@ def make_room(core: EngineCore, pool: Pool, n: int) -> None:
     if victims is None or not len(victims):
         return
     pool.policy.insert(victims, core.meta(victims))  # back in: ``offload`` takes them out
-    core.counters.evictions[Tier.GPU] += core.offload(victims, urgent=True)
+    core.counters.evictions[Tier.GPU] += core.starts.offload(victims, urgent=True)
 
 
 class _Acquire:
@@ -352,9 +352,9 @@ class _Acquire:
             self._count_waits()  # before a cascade could choose these pages
         if short > 0:
             make_room(core, pool, short)
-        core.restore_cpu(pool, on_cpu, then=self._count_waits)
+        core.starts.restore_cpu(pool, on_cpu, then=self._count_waits)
         if short <= 0 and len(on_disk):
-            core.restore_disk(on_disk)
+            core.starts.restore_disk(on_disk)
 
     def _undo(self) -> None:
         """Unpin what this acquire pinned; withdraw its waits from pages not yet landed."""

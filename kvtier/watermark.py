@@ -52,14 +52,14 @@ class Watermarks:
             victims = pool.policy.evict(excess, lambda r: t.pins[r] > 0, partial=True)
             if victims is not None and len(victims):
                 pool.policy.insert(victims, core.meta(victims))  # ``offload`` takes them out
-                core.offload(victims)
+                core.starts.offload(victims)
         elif cfg.prefetch and used < cfg.low_watermark * pool.num_slots:
             room = math.floor(cfg.low_watermark * pool.num_slots) - used
             rows = t.of_pool(pool.pool_id)
             cold = rows[t.state[rows] == S_CPU]
             if len(cold) and room > 0:
                 newest = cold[np.argsort(-t.ids(cold), kind="stable")]
-                core.restore_cpu(pool, newest[:room], urgent=False)
+                core.starts.restore_cpu(pool, newest[:room], urgent=False)
 
     def stop(self) -> None:
         self._stop.set()
