@@ -167,18 +167,20 @@ class TierEngine:
         return self._residency.acquire(pool_id, page_ids, timeout=timeout)
 
     def try_acquire(
-        self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]
+        self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray
     ) -> list[SlotIndex] | None:
         return self._residency.try_acquire(tenant, pool_id, page_ids)
 
-    def release(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
+    def release(self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray) -> None:
         self._residency.release(pool_id, page_ids)
 
-    def try_release(self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]) -> bool:
+    def try_release(
+        self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray
+    ) -> bool:
         return self._residency.try_release(tenant, pool_id, page_ids)
 
     # -- pages -------------------------------------------------------------------------------
-    def free(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
+    def free(self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray) -> None:
         core = self._core
         ids = check_ids("page_ids", page_ids)
         with core.cond:
@@ -219,7 +221,7 @@ class TierEngine:
                 # Short: the lanes count a batch out of flight just after they notify.
                 self._core.cond.wait(0.0005)
 
-    def offload(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:
+    def offload(self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray) -> int:
         core = self._core
         ids = check_ids("page_ids", page_ids)
         with core.cond:
@@ -227,7 +229,7 @@ class TierEngine:
             self._pool(pool_id)
             return core.starts.offload(core.table.unique(core.table.rows(pool_id, ids)))
 
-    def prefetch(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> int:
+    def prefetch(self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray) -> int:
         core = self._core
         ids = check_ids("page_ids", page_ids)
         with core.cond:
@@ -240,7 +242,9 @@ class TierEngine:
             starts = core.starts
             return starts.restore_cpu(pool, on_cpu, urgent=False) + starts.restore_disk(on_disk)
 
-    def set_priority(self, pool_id: PoolId, page_ids: Sequence[PageId], priority: float) -> None:
+    def set_priority(
+        self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray, priority: float
+    ) -> None:
         check_priority("priority", priority)
         core = self._core
         ids = check_ids("page_ids", page_ids)

@@ -128,7 +128,7 @@ class Residency:
         return len(unique) <= pool.num_slots - (pool.pinned - mine)
 
     def try_acquire(
-        self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]
+        self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray
     ) -> list[SlotIndex] | None:
         """Non-blocking fast path for callers on an event loop.
 
@@ -158,7 +158,9 @@ class Residency:
         finally:
             core.cond.release()
 
-    def try_release(self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId]) -> bool:
+    def try_release(
+        self, tenant: str, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray
+    ) -> bool:
         """Non-blocking :meth:`release`: True if done; False (nothing changed) if the lock was
         busy or any id is not an acquired page of ``tenant``'s pool."""
         core = self._core
@@ -181,7 +183,7 @@ class Residency:
         finally:
             core.cond.release()
 
-    def release(self, pool_id: PoolId, page_ids: Sequence[PageId]) -> None:
+    def release(self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray) -> None:
         core = self._core
         ids = check_ids("page_ids", page_ids)
         with core.cond:

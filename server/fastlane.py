@@ -23,7 +23,9 @@ import secrets
 import struct
 from typing import Any
 
-from kvtier.types import PageId, PoolId
+import numpy as np
+
+from kvtier.types import PoolId
 
 log = logging.getLogger(__name__)
 REQUEST = struct.Struct("<BHQ16s")
@@ -74,7 +76,9 @@ class FastLane:
                 op, n, pool_id, capability = REQUEST.unpack(await reader.readexactly(REQUEST.size))
                 if not 0 < n <= MAX_PAGES:
                     return
-                ids = struct.unpack(f"<{n}Q", await reader.readexactly(8 * n))
+                # Ids as int64 without a Python int each (one >= 2**63 reads negative: the
+                # engine's check refuses it, and the engine is told to use gRPC).
+                ids = np.frombuffer(await reader.readexactly(8 * n), dtype="<i8")
                 writer.write(self.answer(op, pool_id, capability, ids))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -85,11 +89,11 @@ class FastLane:
             self._writers.discard(writer)
             writer.close()
 
-    def answer(self, op: int, pool_id: int, capability: bytes, ids: tuple[int, ...]) -> bytes:
+    def answer(self, op: int, pool_id: int, capability: bytes, ids: np.ndarray) -> bytes:
         grant = self._grants.get(pool_id)
         if grant is None or not hmac.compare_digest(grant[1], capability):
             return REPLY.pack(DENIED, 0)
-        tenant, pages = grant[0], [PageId(i) for i in ids]
+        tenant, pages = grant[0], ids
         if op == ACQUIRE:
             slots = self._engine.try_acquire(tenant, PoolId(pool_id), pages)
             if slots is not None:

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
+import numpy as np
 
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
@@ -59,11 +60,13 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         ref = req.pool
         if not req.HasField("pool") or ref.instance != self._tenancy.instance or not req.page_ids:
             return None
-        if any(p <= 0 for p in req.page_ids) or len(req.page_ids) > 4096:
+        if len(req.page_ids) > 4096:
             return None
-        pages = [PageId(p) for p in req.page_ids]
-        slots = self._engine.try_acquire(ref.tenant, PoolId(ref.pool_id), pages)
-        return None if slots is None else [int(s) for s in slots]
+        pages = np.array(req.page_ids, dtype=np.int64)  # in C: no Python int per page
+        if pages.min() <= 0:
+            return None
+        slots: list[int] | None = self._engine.try_acquire(ref.tenant, PoolId(ref.pool_id), pages)
+        return slots
 
     def _pool(self, msg: Any) -> PoolId:
         return self._tenancy.owned(msg.pool, present=msg.HasField("pool"))
@@ -140,7 +143,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                      reply: Callable[[Any], T]) -> T:
         def call() -> T:
             pool = self._pool(req)
-            return reply(op(pool, [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]))
+            return reply(op(pool, validate.ids(req.page_ids, "page_ids")))
 
         return await self._run(ctx, call)
 
@@ -152,19 +155,19 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
         def call() -> pb.AcquireReply:
             pool = self._pool(req)
-            pages = [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]
+            pages = validate.ids(req.page_ids, "page_ids")
             timeout = validate.timeout(req.timeout_s) or remaining
-            slots = self._engine.acquire(pool, pages, timeout=timeout)
+            slots = self._engine.acquire(pool, pages, timeout=timeout)  # an array, as the ids
             if slots is None:
                 raise shortfall(f"pool {pool} has too few unpinned slots for {len(pages)} pages")
-            return pb.AcquireReply(slots=slots)
+            return pb.AcquireReply(slots=slots.tolist())
 
         return await self._run(ctx, call)
 
     async def SetPriority(self, req: pb.SetPriorityRequest, ctx: Ctx) -> pb.Empty:
         def call() -> pb.Empty:
             pool = self._pool(req)
-            pages = [PageId(p) for p in validate.ids(req.page_ids, "page_ids")]
+            pages = validate.ids(req.page_ids, "page_ids")
             self._engine.set_priority(pool, pages, validate.priority(req.priority))
             return pb.Empty()
 
@@ -174,7 +177,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         def call() -> pb.PageTiersReply:
             pool = self._pool(req)
             infos = [self._engine.page_info(pool, PageId(p))
-                     for p in validate.ids(req.page_ids, "page_ids")]
+                     for p in validate.ids(req.page_ids, "page_ids").tolist()]
             return pb.PageTiersReply(
                 tiers=[convert.tier(i.tier if i.tier is not None else Tier.GPU) for i in infos],
                 lost=[i.tier is None for i in infos])

@@ -80,6 +80,22 @@ def test_wrong_or_foreign_capability_is_denied_and_changes_nothing(daemon: Daemo
         b.detach(att_b)
 
 
+def test_ids_no_page_can_have_are_sent_to_grpc_and_pin_nothing(daemon: Daemon) -> None:
+    with daemon.client("lane-f") as c:
+        att = c.attach(4)
+        got = c.allocate(att, 2)
+        ids = [p for p, _ in got]
+        c.release(att, ids)
+        path, cap = att.fast_lane.path, att.fast_lane._capability
+        for bad in ([0], [1 << 63], [(1 << 64) - 1], [ids[0], 1 << 40]):
+            for op in (1, 2):  # acquire, release
+                reply = raw(path, frame(op, att.pool_id, cap, bad))
+                assert REPLY.unpack(reply[:3]) == (1, 0), (op, bad)  # "use gRPC", no slots
+        assert c.stats().pinned_pages == 0
+        assert REPLY.unpack(raw(path, frame(1, att.pool_id, cap, ids))[:3]) == (0, 2)  # still OK
+        c.detach(att)
+
+
 def test_malformed_frames_close_the_connection_and_the_daemon_keeps_serving(daemon: Daemon) -> None:
     with daemon.client("lane-e") as c:
         att = c.attach(4)
