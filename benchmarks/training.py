@@ -47,100 +47,34 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 # the benchmark's own modules, beside this file (also when loaded with runpy)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training_model import GPT, Block, GpuMixedAdamW, Runner
+from training_model import GPT, Runner
 from training_report import GIB, HEADER, Result, bound_of, checks_of, markdown, row
+from training_variants import (
+    ALL_VARIANTS,
+    ONE_POINT,
+    PRESETS,
+    inflight_bound,
+    offload_groups,
+    optimizer_for,
+    runner_for,
+    sweep_points,
+)
 
 from kvtier.errors import CapacityError
-from kvtier.training import OffloadedOptimizer, get_cpu_offload_context
+from kvtier.training import OffloadedOptimizer
 from kvtier.training.base import default_arena, get_buffer
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2048": dict(layers=24, hidden=2048, heads=16, seq=4096, batch=1, vocab=32768,
-                    optimizer="gpu", host_gb=None, variants="no_offload,save_on_cpu,kvtier_act,"
-                    "kvtier_act_third,sweep,kvtier_opt_cpu,kvtier_opt_gpu_stream,search"),
-    "wide8192": dict(layers=4, hidden=8192, heads=64, seq=4096, batch=10, vocab=8192,
-                     optimizer="gpu_stream", host_gb=96.0,
-                     variants="no_offload,kvtier_act,sweep"),
-}
-ONE_POINT = re.compile(r"kvtier_act@\d+(~\d+)?")  # one sweep point, e.g. kvtier_act@5~2
-ALL_VARIANTS = ("no_offload", "save_on_cpu", "kvtier_act", "kvtier_act_third", "sweep",
-                "kvtier_opt_cpu", "kvtier_opt_gpu_stream", "search")
-
-
-def offload_groups(variant: str, layers: int) -> int:
-    """Layer halves offloaded by an activation variant (``kvtier_act@n``: the first ``n``)."""
-    if variant.startswith("kvtier_act@"):
-        return int(variant.split("@")[1].split("~")[0])
-    if variant.startswith("kvtier_act_third"):
-        return 2 * max(1, layers // 3)
-    return 2 * layers - 2 if variant.startswith("kvtier_act") else 0
-
-
-def inflight_bound(variant: str) -> int | None:
-    """``max_inflight_groups`` of a variant: 1 for ``kvtier_act`` (memory first, as
-    TransformerEngine), ``k`` for ``kvtier_act@n~k``, else None (never wait for copies)."""
-    if variant == "kvtier_act" or variant.startswith("kvtier_act_opt"):
-        return 1
-    if variant.startswith("kvtier_act@") and "~" in variant:
-        return int(variant.split("~")[1])
-    return None
-
-
-def sweep_points(layers: int) -> list[str]:
-    """Activation variants of the sweep: the first n layer halves for n from a few to all but
-    the last layer, copies never waited for; and the top three n with the host waiting for
-    all but the latest one or two layer halves' copies (less memory for some forward time)."""
-    top = 2 * layers - 2
-    ns = sorted({max(1, round(top * f)) for f in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65,
-                                                  0.8, 1.0)})
-    return ([f"kvtier_act@{n}" for n in ns] + [f"kvtier_act@{n}~1" for n in ns[-3:]]
-            + [f"kvtier_act@{n}~2" for n in ns[-3:]])
-
-
-def _runner(variant: str, layers: int, arena: Any, a: argparse.Namespace
-            ) -> tuple[Runner | None, Any, Any]:
-    """(runner, context around the forward, offload context or None)."""
-    if variant == "save_on_cpu":
-        return None, torch.autograd.graph.save_on_cpu(pin_memory=True), None
-    n = offload_groups(variant, layers)
-    if not n:
-        return None, nullcontext(), None
-    ctx, sync = get_cpu_offload_context(True, n, 2 * layers, arena=arena, min_numel=a.min_numel,
-                                        pace_lag=a.pace_lag,
-                                        max_inflight_groups=inflight_bound(variant))
-
-    def run(i: int, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        assert isinstance(blk, Block)
-        for part in (blk.attn, blk.mlp):
-            with ctx:
-                x = part(x)
-            x = sync(x)
-        return x
-
-    return run, nullcontext(), ctx
-
-
-def _optimizer(kind: str, model: nn.Module, arena: Any) -> Any:
-    if kind == "cpu":
-        return OffloadedOptimizer(model.parameters(), mode="cpu", arena=arena, lr=1e-4)
-    if kind == "gpu_stream":
-        return OffloadedOptimizer(model.parameters(), mode="gpu_stream", arena=arena, lr=1e-4,
-                                  bucket_mb=256)
-    return GpuMixedAdamW(model)
 
 
 def _mem() -> int:
@@ -173,7 +107,7 @@ class Trainer:
         self.layers, self.opt_kind = layers, opt_kind
         with _built_on(self.dev, torch.bfloat16):
             self.model = GPT(layers, a.hidden, a.heads, a.vocab)
-        self.opt = _optimizer(opt_kind, self.model, arena)
+        self.opt = optimizer_for(opt_kind, self.model, arena)
         self.ids = torch.randint(0, a.vocab, (a.batch, a.seq), device=self.dev)
 
     def close(self) -> None:
@@ -214,7 +148,7 @@ class Trainer:
 def measure(tr: Trainer, variant: str, a: argparse.Namespace, arena: Any, steps: int,
             max_s: float = float("inf")) -> Result:
     """``a.warmup`` then up to ``steps`` measured steps (at least one; stops after ``max_s``)."""
-    run, ctx, off = _runner(variant, tr.layers, arena, a)
+    run, ctx, off = runner_for(variant, tr.layers, arena, a)
     rows: list[tuple[float, float, float, int, int]] = []
     stats: list[dict[str, int]] = []  # offloader counters before the last measured step, after
     start = time.perf_counter()
