@@ -74,10 +74,14 @@ class _Lane:
     """Four FIFO queues of batches, served in order: urgent restores, restores, urgent offloads,
     offloads."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, lock: threading.Lock | None = None) -> None:
         self.name = name
         self.queues: tuple[deque[Moves], ...] = (deque(), deque(), deque(), deque())
         self.thread: threading.Thread | None = None
+        # The lane sleeps on its own condition (the scheduler's lock): a submit wakes the lanes
+        # it queued to, a completion the lanes with queued work (waiting for in-flight room);
+        # an idle lane is never woken for another lane's batches.
+        self.cond = threading.Condition(lock)
         self.depth = 2  # batches in flight: the least its handlers allow
 
     def queue_for(self, batch: Moves) -> deque[Moves]:
@@ -85,6 +89,9 @@ class _Lane:
 
     def _head(self) -> deque[Moves] | None:
         return next((q for q in self.queues if q), None)
+
+    def has_work(self) -> bool:
+        return self._head() is not None
 
     def plain_offload_next(self) -> bool:
         """Whether the next batch would be a plain (not urgent) offload."""
@@ -145,8 +152,8 @@ class TransferScheduler:
         self._batch_bytes = batch_bytes
         self._max_inflight = max(max_inflight_bytes, batch_bytes)
         self._on_complete = on_complete
-        self._cond = threading.Condition()
-        self._lanes = {n: _Lane(n) for n in ("up", "down", "disk")}
+        self._lock = threading.Lock()
+        self._lanes = {n: _Lane(n, self._lock) for n in ("up", "down", "disk")}
         self._inflight = 0
         self._closed = False
         self._last_end: dict[Direction, float] = {}
@@ -164,21 +171,25 @@ class TransferScheduler:
     # -- queueing ---------------------------------------------------------------------------------
     def submit(self, batches: list[Moves]) -> None:
         """Queue batches (restores and offloads may be mixed); empty ones are ignored."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
             for batch in batches:  # all checked first: a refused submit queues nothing
                 if batch.direction not in self._handlers:
                     raise Unavailable(f"no handler for {batch.direction.name}")
+            fed = set()
             for batch in batches:
                 if len(batch.srcs):
-                    self._lanes[_LANE_OF[batch.direction]].queue_for(batch).append(batch)
-            self._cond.notify_all()
+                    lane = self._lanes[_LANE_OF[batch.direction]]
+                    lane.queue_for(batch).append(batch)
+                    fed.add(lane.name)
+            for name in fed:
+                self._lanes[name].cond.notify()
 
     def cancel(self, batch: Moves, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The columns of page-table ``rows`` taken out of ``batch`` while it is still queued,
         as ``(rows, srcs, dsts)``; empty for a batch already taken (its copies may be running)."""
-        with self._cond:
+        with self._lock:
             queue = self._lanes[_LANE_OF[batch.direction]].queue_for(batch)
             if not any(b is batch for b in queue):
                 return _NONE, _NONE, _NONE
@@ -203,7 +214,7 @@ class TransferScheduler:
 
     def depth(self) -> tuple[int, int]:
         """(queued restores, queued offloads)."""
-        with self._cond:
+        with self._lock:
             r = sum(lane.count(restores=True) for lane in self._lanes.values())
             o = sum(lane.count(restores=False) for lane in self._lanes.values())
             return r, o
@@ -223,9 +234,9 @@ class TransferScheduler:
         done: deque[tuple[_Pending, list[bool], float]] = deque()
         while True:
             batch: Moves | None = None
-            with self._cond:
+            with self._lock:
                 while not self._closed and not pending and not done and not self._ready(lane):
-                    self._cond.wait()
+                    lane.cond.wait()
                 if self._closed and not pending and not done:
                     return
                 more = not self._closed and self._ready(lane)
@@ -240,11 +251,12 @@ class TransferScheduler:
             if pending:
                 done.append(self._wait(pending.popleft()))
                 if not more:  # queued while this lane waited: launch it, not block on a lock
-                    with self._cond:
+                    with self._lock:
                         more = not self._closed and self._ready(lane)
             # While more is queued, one completion per launch: completions deferred behind the
             # engine lock must not all run back to back while the copy engine runs dry.
-            self._complete(done, block=not pending and not more, most=1 if more else len(done))
+            most = 1 if more else len(done)
+            self._complete(lane, done, block=not pending and not more, most=most)
 
     def _ready(self, lane: _Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
@@ -280,7 +292,8 @@ class TransferScheduler:
         return pending, results, busy
 
     def _complete(
-        self, done: deque[tuple[_Pending, list[bool], float]], block: bool, most: int
+        self, lane: _Lane, done: deque[tuple[_Pending, list[bool], float]], block: bool,
+        most: int,
     ) -> None:
         """Complete up to ``most`` copied batches in order; without ``block``, stop at the first
         whose completion would have to wait for the engine lock."""
@@ -296,13 +309,15 @@ class TransferScheduler:
             except Exception:  # the engine's completion must never kill a lane
                 log.exception("completing a %s batch failed", pending.direction.name)
             done.popleft()
-            with self._cond:
+            with self._lock:
                 self._inflight -= pending.nbytes
-                self._cond.notify_all()
+                for other in self._lanes.values():  # room in flight: only for queued work
+                    if other is not lane and other.has_work():
+                        other.cond.notify()
 
     def close(self, grace: float = 10.0) -> None:
         """Finish batches in flight (bounded by ``grace``), fail everything still queued."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -310,7 +325,7 @@ class TransferScheduler:
             for lane in self._lanes.values():
                 for q in lane.queues:
                     q.clear()
-            self._cond.notify_all()
+                lane.cond.notify()
         for lane in self._lanes.values():
             if lane.thread is not None:
                 lane.thread.join(timeout=grace)

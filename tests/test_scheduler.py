@@ -6,6 +6,7 @@ import contextlib
 import threading
 
 import numpy as np
+import pytest
 
 from kvtier.scheduler import TransferScheduler
 from kvtier.transfer.base import Moves, TransferHandler
@@ -341,4 +342,66 @@ def test_work_queued_while_a_lane_waits_is_launched_without_waiting_for_the_engi
         assert completed == [1, 2]
     finally:
         held.clear()  # a failed run must not leave close() blocked in ``complete``
+        sched.close(1)
+
+
+def _runs(thread_name: str) -> int | None:
+    """How many times the named thread has been put on a CPU (Linux schedstat), or None."""
+    tid = next(t.native_id for t in threading.enumerate() if t.name == thread_name)
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def until(cond, what: str) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError(what)
+
+
+def test_idle_lanes_sleep_through_another_lanes_batches():
+    """Fifty offload batches, one after another, complete on the down lane: the idle up and
+    disk lanes are not woken for them (each wake-up would take the interpreter from the
+    working lanes; the old shared condition woke both at every submit and completion)."""
+    gate = threading.Event()
+    gate.set()
+    sched, _log, done = make(gate)
+    try:
+        before = {n: _runs(n) for n in ("kvtier-up", "kvtier-disk")}
+        if None in before.values():
+            pytest.skip("no per-thread schedstat on this system")
+        for i in range(50):
+            sched.submit([mv(Direction.GPU_TO_CPU, [i])])
+            until(lambda n=i + 1: len(done) == n, "offload never completed")
+        sched.submit([mv(Direction.CPU_TO_GPU, [1000])])  # the up lane still wakes for its own
+        until(lambda: 1000 in done, "restore never completed")
+        woke = {n: _runs(n) - before[n] for n in before}  # type: ignore[operator]
+        assert woke["kvtier-disk"] <= 2 and woke["kvtier-up"] <= 4, woke
+    finally:
+        sched.close(1)
+
+
+def test_a_lane_waiting_for_room_in_flight_wakes_when_another_lane_frees_it():
+    gate = threading.Event()
+    log: list = []
+    done: list[int] = []
+    sched = TransferScheduler(
+        {d: Gated(d, log, gate) for d in Direction},
+        batch_bytes=4096,
+        max_inflight_bytes=4096,  # one batch in flight across all lanes
+        on_complete=lambda b, rs, s: done.extend(b.srcs),
+    )
+    try:
+        sched.submit([mv(Direction.GPU_TO_CPU, [1])])
+        until(lambda: sched.inflight_bytes == 4096, "offload never launched")
+        sched.submit([mv(Direction.CPU_TO_GPU, [2])])  # no room: the up lane waits
+        threading.Event().wait(0.05)
+        assert done == [] and sched.depth() == (1, 0)
+        gate.set()  # the offload completes, its room goes to the waiting restore
+        until(lambda: done == [1, 2], f"restore never ran after the room freed: {done}")
+    finally:
         sched.close(1)
