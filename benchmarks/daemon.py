@@ -1,7 +1,8 @@
 """Daemon benchmark: the engine behind gRPC (unix socket) against the same engine in-process.
 
 Measures, in one run on one device:
-    * Acquire round trip of resident pages (p50/p99), one page and eight pages per call;
+    * Acquire round trip of resident pages (p50/p99), one page and eight pages per call, and of
+      4,096 pages of 16 KiB per call through the fast lane and through gRPC;
     * restore GB/s of 1 GiB of 2 MiB pages through the daemon vs the in-process engine;
     * pages/s with many engines (threads, one tenant and pool each) acquiring and releasing.
 Writes ``daemon.md`` and ``daemon.json`` to ``--out``.
@@ -12,6 +13,7 @@ Writes ``daemon.md`` and ``daemon.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -77,6 +79,19 @@ def rtt(client: KVTierClient, att, ids: list[int], per_call: int, n: int = 2000)
         lat.append(time.perf_counter() - t0)
         client.release(att, sel)
     return {"p50_us": q(lat, 50), "p99_us": q(lat, 99)}
+
+
+def large_calls(client: KVTierClient, pages: int = 4096) -> dict[str, dict[str, float]]:
+    """Acquire round trip of ``pages`` resident 16 KiB pages (the fast lane's largest call),
+    through the fast lane and through gRPC: what the daemon spends per page id."""
+    att = client.attach(pages, page_size=16 << 10)
+    ids = [p for p, _ in client.allocate(att, pages)]
+    client.release(att, ids)
+    out = {"rtt_4096_lane": rtt(client, att, ids, pages, n=200),
+           "rtt_4096_grpc": rtt(client, dataclasses.replace(att, fast_lane=None), ids, pages,
+                                n=200)}
+    client.detach(att)
+    return out
 
 
 def daemon_restore(client: KVTierClient, att, ids: list[int], nbytes: int) -> float:
@@ -166,6 +181,7 @@ def main() -> None:
                 res["rtt_8"] = rtt(client, att, ids, 8)
                 res["daemon_restore_gbs"] = daemon_restore(client, att, ids, nbytes)
                 client.detach(att)
+                res.update(large_calls(client))
             print(json.dumps(res), flush=True)
             res["pages_per_s"] = many_engines(address, args.engines, args.seconds)
         finally:
@@ -179,6 +195,7 @@ def main() -> None:
           "| measure | value |", "|---|---|",
           f"| Acquire round trip, 1 resident page: p50 / p99 | {r1['p50_us']:.0f} / {r1['p99_us']:.0f} us |",  # type: ignore[index]
           f"| Acquire round trip, 8 resident pages: p50 / p99 | {r8['p50_us']:.0f} / {r8['p99_us']:.0f} us |",  # type: ignore[index]
+          f"| Acquire round trip, 4096 resident 16 KiB pages, fast lane / gRPC: p50 | {res['rtt_4096_lane']['p50_us']:.0f} / {res['rtt_4096_grpc']['p50_us']:.0f} us |",  # type: ignore[index]
           f"| restore of {args.gib} GiB through the daemon | {res['daemon_restore_gbs']:.1f} GB/s |",
           f"| same restore in-process | {res['inproc_restore_gbs']:.1f} GB/s |",
           f"| daemon / in-process | {res['restore_ratio']:.2f} |",
