@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import NotFound
+from kvtier.tiers.runs import strictly_ascending
 from kvtier.types import PageId, PageState, PoolId, Tier
 
 S_NONE, S_GPU, S_CPU, S_DISK, S_DOWN, S_UP, S_DROPPED = range(7)
@@ -157,7 +158,7 @@ class PageTable:
         """``rows`` without repeats (first occurrences, in order); ``rows`` itself when it has
         none (the common case: one pass for ascending rows, else three, no sort)."""
         n = len(rows)
-        if n < 2 or np.greater(rows[1:], rows[:-1]).all():
+        if strictly_ascending(rows):
             return rows
         order = np.arange(n, dtype=np.int64)
         self._mark[rows[::-1]] = order[::-1]  # the first occurrence's position wins

@@ -322,7 +322,7 @@ class _Acquire:
             raise NotFound(f"pages {listed} were freed while being acquired")
         lost = t.state[rows] == S_DROPPED
         if lost.any():
-            raise PageLost(f"pages {self._ids(rows[lost])} were dropped and must be recomputed")
+            raise PageLost(f"pages {t.ids_text(rows[lost])} were dropped and must be recomputed")
         return True
 
     def _wait_landings(self, deadline: float) -> bool:
@@ -334,9 +334,6 @@ class _Acquire:
         if not ((t.state[pending] == S_UP) & (t.tier[pending] == Tier.CPU)).all():
             return _wait(core, deadline)
         return core.landings.wait(core.landings.ended + len(pending), deadline, core.check_open)
-
-    def _ids(self, rows: np.ndarray) -> str:
-        return self.core.table.ids_text(rows)
 
     def _start_up(self) -> None:
         """Start the next leg toward the GPU for pending pages that wait in CPU or on disk."""

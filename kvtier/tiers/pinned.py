@@ -35,7 +35,7 @@ import torch
 
 from kvtier.errors import InvalidArgument
 from kvtier.tiers.base import HostSlot
-from kvtier.tiers.runs import RunSet, as_slots, free_runs, run_bounds
+from kvtier.tiers.runs import RunSet, as_slots, free_runs, run_bounds, strictly_ascending
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 _REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped: any context may DMA
@@ -400,4 +400,4 @@ def _ascends_by_one(slots: np.ndarray) -> bool:
     n = len(slots)
     if int(slots[-1]) - int(slots[0]) != n - 1:
         return False
-    return n == 1 or bool(np.greater(slots[1:], slots[:-1]).all())
+    return strictly_ascending(slots)

@@ -87,10 +87,15 @@ def as_slots(slots: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.fromiter(slots, dtype=np.int64, count=len(slots))
 
 
+def strictly_ascending(values: np.ndarray) -> bool:
+    """Every element greater than the one before: one comparison of the array against itself
+    shifted by one (no difference array)."""
+    return len(values) < 2 or bool(np.greater(values[1:], values[:-1]).all())
+
+
 def ascending(slots: np.ndarray) -> tuple[np.ndarray, bool]:
     """``slots`` in ascending order (no copy if already so) and whether they are all distinct."""
-    # Comparisons of the array against itself shifted by one: no difference array.
-    if len(slots) < 2 or bool(np.greater(slots[1:], slots[:-1]).all()):
+    if strictly_ascending(slots):
         return slots, True
     ordered = np.sort(slots)
     return ordered, bool(np.not_equal(ordered[1:], ordered[:-1]).all())
