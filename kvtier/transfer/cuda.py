@@ -23,7 +23,8 @@ import torch
 from kvtier.tiers.device import DevicePool
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer.base import Moves, TransferHandler
-from kvtier.transfer.gather import gather, scatter, wide
+from kvtier.transfer.gather import wide
+from kvtier.transfer.segtable import SegmentTable
 from kvtier.types import Direction
 
 
@@ -77,8 +78,11 @@ class _CudaHandler(TransferHandler):
         self._turn = 0  # the buffers of the batch being launched
         self._staging = self._buffers[0]
         # Per pool, its one segment seen as int64 rows (None: several segments or odd widths,
-        # the generic gather/scatter then): checked once, not at every launch.
+        # its segment table then: one kernel for all segments): built once, not at every launch.
         self._rows64: weakref.WeakKeyDictionary[DevicePool, torch.Tensor | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._tables: weakref.WeakKeyDictionary[DevicePool, SegmentTable] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -105,6 +109,12 @@ class _CudaHandler(TransferHandler):
             found = rows if rows is not None and rows.dtype == torch.int64 else None
             self._rows64[pool] = found
             return found
+
+    def _table(self, pool: DevicePool) -> SegmentTable:
+        table = self._tables.get(pool)
+        if table is None:
+            table = self._tables[pool] = SegmentTable(pool.segments)
+        return table
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         """The batch's indices on the device (copied on the current stream, read on the kernel
@@ -189,7 +199,7 @@ class CudaOffload(_CudaHandler):
         if rows is not None and words is not None:
             torch.index_select(rows, 0, index, out=words)
         else:
-            gather(pool.segments, index, staging)
+            self._table(pool).gather(index, staging)
         self._hand_over(self._kernel, self._stream)
         torch.cuda.set_stream(self._stream)
         at = 0
@@ -230,7 +240,7 @@ class CudaRestore(_CudaHandler):
         if rows is not None and words is not None:
             rows.index_copy_(0, index, words)
         else:
-            scatter(pool.segments, index, staging)
+            self._table(pool).scatter(index, staging)
 
 
 def _in_run_order(values: np.ndarray, runs: list[tuple[torch.Tensor, int, int]]) -> np.ndarray:

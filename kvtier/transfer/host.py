@@ -6,19 +6,27 @@ straight into (or read straight from) the host arena's chunk memory.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from kvtier.tiers.device import DevicePool
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.transfer.gather import gather, scatter
+from kvtier.transfer.segtable import SegmentTable
 from kvtier.types import Direction
 
 
 class _HostCopy(TransferHandler):
-    """One index of pool rows, then one copy per contiguous run of host slots."""
+    """One index of pool rows, then one copy per contiguous run of host slots (a pool of
+    several segments through its segment table, as the CUDA handlers do)."""
 
     def __init__(self, arena: HostArena) -> None:
         self._arena = arena
+        self._tables: weakref.WeakKeyDictionary[DevicePool, SegmentTable] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def run(self, batch: Moves) -> list[bool]:
         pool = batch.pool
@@ -26,9 +34,19 @@ class _HostCopy(TransferHandler):
         restore = self.direction is Direction.CPU_TO_GPU
         rows, host = (batch.dsts, batch.srcs) if restore else (batch.srcs, batch.dsts)
         idx = torch.from_numpy(rows)
+        table = None
+        if len(pool.segments) > 1:
+            table = self._tables.get(pool)
+            if table is None:
+                table = self._tables[pool] = SegmentTable(pool.segments)
         for view, lo, hi in self._arena.runs_array(batch.page_size, host):
             # A run's positions are consecutive: a slice, not a per-position index.
-            self._copy(pool.segments, idx[lo:hi], view)
+            if table is None:
+                self._copy(pool.segments, idx[lo:hi], view)
+            elif restore:
+                table.scatter(idx[lo:hi], view)
+            else:
+                table.gather(idx[lo:hi], view)
         return [True] * len(batch)
 
     def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:

@@ -1,0 +1,152 @@
+"""Gather/scatter of multi-segment pages through one segment table: one kernel per batch.
+
+A registered pool (vLLM's KV tensors) has one segment per layer (or per layer and K/V): page
+``i`` is row ``i`` of every segment, joined. Copying a batch segment by segment costs two kernels
+per segment (64 for a 32-layer model) whatever the batch; this copies all segments of all pages
+of a batch in one launch.
+
+Contract:
+    * ``SegmentTable(segments)`` describes a pool's segments once: per segment its address, row
+      stride, width and offset in the page, in *units* (the widest of 8/4/2/1 bytes dividing
+      every address, stride and width). It keeps the segment tensors alive: its addresses stay
+      valid as long as the table exists, also after the pool is closed.
+    * ``gather(idx, out)``: ``out[j] = page(idx[j])``; ``out`` is ``[len(idx), page_size]``
+      ``uint8`` and contiguous, on the pool's device. ``scatter(idx, src)``: ``page(idx[j]) =
+      src[j]``; pages not in ``idx`` are untouched; ``idx`` must be distinct. ``idx`` is an
+      ``int64`` tensor on the pool's device whose values the caller has checked (< num_slots):
+      the kernel trusts them.
+    * Both run on the current stream and allocate nothing on CUDA. On CUDA with Triton: one
+      kernel, grid (page, segment, chunk of a piece). Without Triton, or on CPU: the same bytes
+      per segment, using the same table's offsets and widths (``kernel`` says which ran).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_MAX_GRID_YZ = 65535  # CUDA's limit on the grid's second and third dimensions
+_MAX_BLOCK = 1024  # units one program copies (8 KiB of int64: a 32 KiB piece is four programs)
+
+try:  # Triton ships with CUDA builds of torch; CPU builds run the per-segment path
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[misc]
+    def _gather_kernel(table, idx, out, page_units, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        j = tl.program_id(0)
+        s = tl.program_id(1)
+        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        row = tl.load(idx + j)
+        addr = tl.load(table + s * 4)
+        stride = tl.load(table + s * 4 + 1)
+        width = tl.load(table + s * 4 + 2)
+        offset = tl.load(table + s * 4 + 3)
+        src = addr.to(out.dtype) + row * stride
+        mask = cols < width
+        data = tl.load(src + cols, mask=mask)
+        tl.store(out + j.to(tl.int64) * page_units + offset + cols, data, mask=mask)
+
+    @triton.jit  # type: ignore[misc]
+    def _scatter_kernel(table, idx, src, page_units, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        j = tl.program_id(0)
+        s = tl.program_id(1)
+        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        row = tl.load(idx + j)
+        addr = tl.load(table + s * 4)
+        stride = tl.load(table + s * 4 + 1)
+        width = tl.load(table + s * 4 + 2)
+        offset = tl.load(table + s * 4 + 3)
+        dst = addr.to(src.dtype) + row * stride
+        mask = cols < width
+        data = tl.load(src + j.to(tl.int64) * page_units + offset + cols, mask=mask)
+        tl.store(dst + cols, data, mask=mask)
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the torch build
+    HAVE_TRITON = False
+
+
+def _unit(segments: Sequence[torch.Tensor]) -> tuple[int, torch.dtype]:
+    """The widest word dividing every segment's address, row stride and width."""
+    for size, dtype in _UNITS:
+        if all(
+            s.data_ptr() % size == 0 and s.stride(0) % size == 0 and s.shape[1] % size == 0
+            for s in segments
+        ):
+            return size, dtype
+    raise AssertionError("unreachable: one byte divides everything")
+
+
+class SegmentTable:
+    """See the module docstring."""
+
+    def __init__(self, segments: Sequence[torch.Tensor]) -> None:
+        self.segments = list(segments)  # holds the memory the addresses point at
+        self.unit, self.dtype = _unit(self.segments)
+        u = self.unit
+        self.widths = [s.shape[1] // u for s in self.segments]
+        self.offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        self.page_units = sum(self.widths)
+        self.page_size = self.page_units * u
+        device = self.segments[0].device
+        rows = [
+            (s.data_ptr(), s.stride(0) // u, w, o)
+            for s, w, o in zip(self.segments, self.widths, self.offsets, strict=True)
+        ]
+        self._table = torch.tensor(rows, dtype=torch.int64).to(device)
+        self._block = min(_MAX_BLOCK, triton.next_power_of_2(max(self.widths))) if HAVE_TRITON else 0
+        chunks = -(-max(self.widths) // _MAX_BLOCK)
+        self.kernel = (
+            HAVE_TRITON
+            and device.type == "cuda"
+            and len(self.segments) <= _MAX_GRID_YZ
+            and chunks <= _MAX_GRID_YZ
+        )
+        self._chunks = chunks
+
+    def _units(self, pages: torch.Tensor) -> torch.Tensor:
+        assert pages.dim() == 2 and pages.shape[1] == self.page_size and pages.is_contiguous()
+        return pages.view(self.dtype)
+
+    def gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        words = self._units(out)
+        if not len(idx):
+            return
+        if self.kernel and self._launch(_gather_kernel, idx, words):
+            return
+        for seg, w, o in self._pieces():
+            words[:, o : o + w] = seg.index_select(0, idx)
+
+    def scatter(self, idx: torch.Tensor, src: torch.Tensor) -> None:
+        words = self._units(src)
+        if not len(idx):
+            return
+        if self.kernel and self._launch(_scatter_kernel, idx, words):
+            return
+        for seg, w, o in self._pieces():
+            seg.index_copy_(0, idx, words[:, o : o + w])
+
+    def _pieces(self) -> list[tuple[torch.Tensor, int, int]]:
+        """Each segment as unit rows, with its width and offset in the page (the fallback)."""
+        u = self.unit
+        views = [s.view(self.dtype) if u > 1 else s for s in self.segments]
+        return list(zip(views, self.widths, self.offsets, strict=True))
+
+    def _launch(self, kernel: Any, idx: torch.Tensor, words: torch.Tensor) -> bool:
+        """One launch for the batch; False (and the per-segment path from then on) if the
+        kernel can't be built here."""
+        try:
+            grid = (len(idx), len(self.segments), self._chunks)
+            kernel[grid](self._table, idx, words, self.page_units, BLOCK=self._block)
+            return True
+        except Exception:  # a toolchain problem must not fail transfers: same bytes, slower
+            log.exception("segment-table kernel unavailable; copying segment by segment")
+            self.kernel = False
+            return False
