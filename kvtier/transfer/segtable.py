@@ -38,8 +38,8 @@ try:  # Triton ships with CUDA builds of torch; CPU builds run the per-segment p
     import triton
     import triton.language as tl
 
-    @triton.jit  # type: ignore[misc]
-    def _gather_kernel(table, idx, out, page_units, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    @triton.jit
+    def _gather_kernel(table, idx, out, page_units, BLOCK: tl.constexpr):
         j = tl.program_id(0)
         s = tl.program_id(1)
         cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -53,8 +53,8 @@ try:  # Triton ships with CUDA builds of torch; CPU builds run the per-segment p
         data = tl.load(src + cols, mask=mask)
         tl.store(out + j.to(tl.int64) * page_units + offset + cols, data, mask=mask)
 
-    @triton.jit  # type: ignore[misc]
-    def _scatter_kernel(table, idx, src, page_units, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    @triton.jit
+    def _scatter_kernel(table, idx, src, page_units, BLOCK: tl.constexpr):
         j = tl.program_id(0)
         s = tl.program_id(1)
         cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -101,8 +101,9 @@ class SegmentTable:
             for s, w, o in zip(self.segments, self.widths, self.offsets, strict=True)
         ]
         self._table = torch.tensor(rows, dtype=torch.int64).to(device)
-        self._block = min(_MAX_BLOCK, triton.next_power_of_2(max(self.widths))) if HAVE_TRITON else 0
-        chunks = -(-max(self.widths) // _MAX_BLOCK)
+        widest = max(self.widths)
+        self._block = min(_MAX_BLOCK, 1 << (widest - 1).bit_length())  # a power of two
+        chunks = -(-widest // _MAX_BLOCK)
         self.kernel = (
             HAVE_TRITON
             and device.type == "cuda"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvtier.client._vllm_pages import block_segments
 
 from kvtier import OffloadConfig, TierEngine
-from kvtier.client._vllm_pages import block_segments
 
 BLOCKS = 48
 LAYERS = 4

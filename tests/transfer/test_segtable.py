@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvtier.client._vllm_pages import block_segments
+
 from kvtier.transfer.segtable import SegmentTable
 
 BLOCKS = 12
