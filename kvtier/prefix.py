@@ -18,6 +18,7 @@ import functools
 import hashlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,14 +36,40 @@ from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
 
+FIRST_CHUNK = 32  # blocks whose bookkeeping precedes the first copy of a store or a load
+
 
 @functools.lru_cache(maxsize=1024)
 def _tenant_key(tenant: str) -> bytes:
     return hashlib.blake2b(tenant.encode(), digest_size=32, person=b"kvtier-tenant").digest()
 
 
+@functools.lru_cache(maxsize=1024)
+def _tenant_hasher(tenant: str) -> Any:
+    """A blake2b already keyed with the tenant's key; only ever copied (half the cost of keying
+    a fresh one per block: the key is a whole compression block)."""
+    return hashlib.blake2b(key=_tenant_key(tenant), digest_size=16)
+
+
 def salt_key(tenant: str, key: bytes) -> bytes:
-    return hashlib.blake2b(key, key=_tenant_key(tenant), digest_size=16).digest()
+    """``blake2b(key, key=H(tenant), digest_size=16)``."""
+    h = _tenant_hasher(tenant).copy()
+    h.update(key)
+    return h.digest()
+
+
+def chunk_sizes(n: int, page_size: int, batch_bytes: int) -> list[int]:
+    """How a store or load of ``n`` blocks is cut so that copies start early: the first chunk's
+    key bookkeeping (hashes, lookups, page-table rows) is all that runs before the first copy;
+    each later chunk's runs while the chunks before it are copied. Chunks double from
+    ``FIRST_CHUNK`` blocks up to a batch's worth."""
+    most = max(1, batch_bytes // page_size)
+    size, out = min(FIRST_CHUNK, most), []
+    while n > 0:
+        out.append(min(size, n))
+        n -= out[-1]
+        size = min(2 * size, most)
+    return out
 
 
 class PrefixStore:
@@ -81,27 +108,38 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
-            stored = 0
-            for key, slot in zip(keys, slots, strict=True):
-                salted = salt_key(pool.tenant, key)
-                if salted in todo or core.table.keyed(salted) is not None:
-                    stored += 1  # already stored: its bytes are not rewritten
-                    continue
-                todo[salted] = slot
+            stored, at, full = 0, 0, True
             pending = _Copies(pool, Direction.GPU_TO_CPU)
-            started: list[Moves] = []  # submitted early while waiting for room
-            items = list(todo.items())
-            while items:
-                got = self._cpu_slots(pool.page_size, len(items), pending, started)
-                if not len(got):
+            started: list[Moves] = []  # each chunk's copies start before the next is hashed
+            for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
+                for key, slot in zip(keys[at : at + size], slots[at : at + size], strict=True):
+                    salted = salt_key(pool.tenant, key)
+                    if salted in todo or core.table.keyed(salted) is not None:
+                        stored += 1  # already stored (or earlier in this call): not rewritten
+                        continue
+                    todo[salted] = slot
+                at += size
+                full = full and self._store_chunk(pool, list(todo.items()), pending, started)
+                started += pending.submit(core)
+                if not full:
                     break
-                part, items = items[: len(got)], items[len(got) :]
-                rows = self._new_keyed(pool, [k for k, _ in part], got)
-                pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
-            started += pending.submit(core)
             self._wait(started)
             return stored + sum(r is True for b in started for r in b.results or ())
+
+    def _store_chunk(
+        self, pool: Pool, items: list[tuple[bytes, int]], pending: _Copies, started: list[Moves]
+    ) -> bool:
+        """New keyed pages for ``items`` (salted key, slot) with their copies added to
+        ``pending``; False when the CPU tier could not take them all (the store ends there)."""
+        while items:
+            got = self._cpu_slots(pool.page_size, len(items), pending, started)
+            if not len(got):
+                return False
+            part, items = items[: len(got)], items[len(got) :]
+            rows = self._new_keyed(pool, [k for k, _ in part], got)
+            pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
+        return True
 
     def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
         """Keyed pages of ``pool``'s tenant, moving into CPU ``slots`` (a store in flight)."""
@@ -164,29 +202,46 @@ class PrefixStore:
             loaded = 0
             while loaded < len(keys):
                 part = keys[loaded : loaded + window]
-                rows = self._resident_prefix(pool, part)
-                try:
-                    n = self._copy_in(pool, rows, slots[loaded : loaded + len(rows)])
-                finally:
-                    core.unprotect(rows)
+                n = self._load_window(pool, part, slots[loaded : loaded + len(part)])
                 loaded += n
                 if n < len(part):
                     break
             return loaded
 
-    def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> int:
-        """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""
+    def _load_window(self, pool: Pool, keys: list[bytes], slots: list[int]) -> int:
+        """Copy the stored prefix of ``keys`` (a window: all of it protected until copied) a
+        chunk at a time, each chunk's copies under way while the next chunk's keys are looked
+        up; the number of leading blocks loaded."""
         core = self._core
-        if not len(rows):
-            return 0
-        copies = _Copies(pool, Direction.CPU_TO_GPU)
-        copies.add(rows, core.table.slot[rows], np.array(slots, dtype=np.int64))
-        batches = copies.submit(core, urgent=True)
-        self._wait(batches)
-        core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
-        core.table.hits[rows] += 1
+        held: list[np.ndarray] = []
+        batches: list[Moves] = []
+        at = 0
+        try:
+            for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                rows = self._resident_prefix(pool, keys[at : at + size])
+                held.append(rows)
+                batches += self._copy_in(pool, rows, slots[at : at + len(rows)])
+                at += len(rows)
+                if len(rows) < size:
+                    break
+            self._wait(batches)
+        finally:
+            for rows in held:
+                core.unprotect(rows)
+        if at:
+            rows = np.concatenate(held)
+            core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
+            core.table.hits[rows] += 1
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)
+
+    def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> list[Moves]:
+        """Start copying CPU-resident keyed pages into pool slots (urgent: a load waits)."""
+        if not len(rows):
+            return []
+        copies = _Copies(pool, Direction.CPU_TO_GPU)
+        copies.add(rows, self._core.table.slot[rows], np.array(slots, dtype=np.int64))
+        return copies.submit(self._core, urgent=True)
 
     def _resident_prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
         """Rows of the longest stored prefix, brought to the CPU tier and returned protected.

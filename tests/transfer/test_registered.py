@@ -13,7 +13,7 @@ import pytest
 import torch
 from kvtier.client._vllm_pages import block_segments
 
-from kvtier import OffloadConfig, TierEngine
+from kvtier import OffloadConfig, TierEngine, prefix
 
 BLOCKS = 48
 LAYERS = 4
@@ -81,3 +81,24 @@ def test_registered_store_load_exact_bytes_cuda(kind: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     round_trip(kind, "cuda:0")
+
+
+def test_chunked_load_stops_at_the_first_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefix, "FIRST_CHUNK", 2)  # chunks of 2, 4, 8, 6 blocks
+    layers = kv_layers("flash", "cpu")
+    segments = [s for t in layers for s in block_segments(t, BLOCKS)]
+    engine = engine_for("cpu", sum(s.shape[1] for s in segments), batch_pages=8)
+    try:
+        pool = engine.register("tenant-a", segments)
+        keys = [f"k{i}".encode() for i in range(20)]
+        want = [page_of(segments, b) for b in range(20)]
+        assert engine.store(pool.pool_id, keys, list(range(20))) == 20
+        keys[13] = b"never-stored"
+        after = [page_of(segments, b) for b in range(40, 48)]
+        assert engine.load(pool.pool_id, keys, list(range(27, 47))) == 13
+        for i in range(13):
+            assert torch.equal(page_of(segments, 27 + i), want[i]), f"block {27 + i}"
+        for b, kept in zip(range(40, 48), after, strict=True):  # from the miss on: untouched
+            assert torch.equal(page_of(segments, b), kept), f"block {b} written"
+    finally:
+        engine.close()
