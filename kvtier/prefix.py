@@ -30,7 +30,6 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
-from kvtier.interp import SWITCHES
 from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
 from kvtier.pool import Pool
 from kvtier.transfer.base import Moves
@@ -112,20 +111,19 @@ class PrefixStore:
             stored, at, full = 0, 0, True
             pending = _Copies(pool, Direction.GPU_TO_CPU)
             started: list[Moves] = []  # each chunk's copies start before the next is hashed
-            with SWITCHES.short():  # the lanes launch earlier chunks meanwhile
-                for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                    todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
-                    for key, slot in zip(keys[at : at + size], slots[at : at + size], strict=True):
-                        salted = salt_key(pool.tenant, key)
-                        if salted in todo or core.table.keyed(salted) is not None:
-                            stored += 1  # already stored (or earlier in this call): kept
-                            continue
-                        todo[salted] = slot
-                    at += size
-                    full = self._store_chunk(pool, list(todo.items()), pending, started)
-                    started += pending.submit(core)
-                    if not full:
-                        break
+            for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
+                for key, slot in zip(keys[at : at + size], slots[at : at + size], strict=True):
+                    salted = salt_key(pool.tenant, key)
+                    if salted in todo or core.table.keyed(salted) is not None:
+                        stored += 1  # already stored (or earlier in this call): not rewritten
+                        continue
+                    todo[salted] = slot
+                at += size
+                full = full and self._store_chunk(pool, list(todo.items()), pending, started)
+                started += pending.submit(core)
+                if not full:
+                    break
             self._wait(started)
             return stored + sum(r is True for b in started for r in b.results or ())
 
@@ -219,14 +217,13 @@ class PrefixStore:
         batches: list[Moves] = []
         at = 0
         try:
-            with SWITCHES.short():  # the lanes launch earlier chunks meanwhile
-                for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                    rows = self._resident_prefix(pool, keys[at : at + size])
-                    held.append(rows)
-                    batches += self._copy_in(pool, rows, slots[at : at + len(rows)])
-                    at += len(rows)
-                    if len(rows) < size:
-                        break
+            for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                rows = self._resident_prefix(pool, keys[at : at + size])
+                held.append(rows)
+                batches += self._copy_in(pool, rows, slots[at : at + len(rows)])
+                at += len(rows)
+                if len(rows) < size:
+                    break
             self._wait(batches)
         finally:
             for rows in held:
@@ -255,10 +252,6 @@ class PrefixStore:
         core, t = self._core, self._core.table
         deadline = time.monotonic() + core.config.restore_timeout_s
         held: set[int] = set()
-        rows = self._prefix(pool, keys)
-        if (t.state[rows] == S_CPU).all():  # the common case: the whole prefix in the CPU tier
-            core.protect(rows)
-            return rows
         try:
             while True:
                 rows = self._prefix(pool, keys)
