@@ -37,8 +37,6 @@ from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
 
 FIRST_CHUNK = 32  # blocks whose bookkeeping precedes the first copy of a store or a load
-LAUNCH_WAIT_S = 0.002  # most a chunk waits for its copies' launch (a busy lane: go on)
-LAUNCH_POLL_S = 50e-6
 
 
 @functools.lru_cache(maxsize=1024)
@@ -126,7 +124,6 @@ class PrefixStore:
                 started += pending.submit(core)
                 if not full:
                     break
-                self._let_launch(started)
             self._wait(started)
             return stored + sum(r is True for b in started for r in b.results or ())
 
@@ -227,7 +224,6 @@ class PrefixStore:
                 at += len(rows)
                 if len(rows) < size:
                     break
-                self._let_launch(batches)
             self._wait(batches)
         finally:
             for rows in held:
@@ -294,15 +290,6 @@ class PrefixStore:
         rows = np.array(found, dtype=np.int64) if found else EMPTY
         bad = (t.state[rows] == S_DROPPED) | (t.size[rows] != pool.page_size)
         return rows[: int(np.argmax(bad))] if bad.any() else rows
-
-    def _let_launch(self, batches: list[Moves]) -> None:
-        """Wait (bounded) until a lane has launched the copies submitted so far, with the
-        engine and interpreter locks released. A launch runs Python too: while this thread
-        hashes the next chunk, each torch call of the launch would wait for the interpreter
-        lock (up to a switch interval, 0.5 ms in the daemon) and the copy engine would idle."""
-        deadline = time.monotonic() + LAUNCH_WAIT_S
-        while batches and not batches[-1].launched and time.monotonic() < deadline:
-            self._core.cond.wait(LAUNCH_POLL_S)
 
     def _wait(self, batches: list[Moves]) -> None:
         deadline = time.monotonic() + self._core.config.restore_timeout_s

@@ -273,7 +273,6 @@ class TransferScheduler:
                 "launching a %s batch of %d pages failed", batch.direction.name, len(batch)
             )
             waiter = _failed(len(batch))
-        (batch.origin or batch).launched = True  # a split copy batch: its caller's batch
         return _Pending(batch, waiter, start)
 
     def _wait(self, pending: _Pending) -> tuple[_Pending, list[bool], float]:

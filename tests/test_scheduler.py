@@ -405,24 +405,3 @@ def test_a_lane_waiting_for_room_in_flight_wakes_when_another_lane_frees_it():
         until(lambda: done == [1, 2], f"restore never ran after the room freed: {done}")
     finally:
         sched.close(1)
-
-
-def test_a_split_copy_batch_is_marked_launched_on_its_callers_batch():
-    gate = threading.Event()
-    sched, _, done = make(gate, batch_bytes=2 * 4096)  # a 5-column copy batch: three parts
-    try:
-        sched.submit([mv(Direction.GPU_TO_CPU, [9])])  # keeps the lane until the gate opens
-        wait_taken(sched)
-        batch = mv(Direction.GPU_TO_CPU, range(5))
-        batch.copy = True
-        sched.submit([batch])
-        assert not batch.launched  # queued behind the gated batch
-        gate.set()
-        for _ in range(1000):
-            if len(done) == 6:
-                break
-            threading.Event().wait(0.005)
-        assert batch.launched and sorted(done) == [0, 1, 2, 3, 4, 9]
-    finally:
-        gate.set()
-        sched.close()

@@ -61,7 +61,6 @@ class Moves:
     origin: Moves | None = None  # a split copy batch reports its results there ...
     at: int = 0  # ... from this column on
     final: bool = False  # its producer queues nothing after it (a lane may end on small batches)
-    launched: bool = False  # set by the scheduler once a lane has launched (part of) it
 
     def __post_init__(self) -> None:
         self.srcs, self.dsts = as_index(self.srcs), as_index(self.dsts)
