@@ -323,4 +323,7 @@ class _Copies:
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
         core.scheduler.submit([batch])
+        # Offer the interpreter to the lane now: the caller goes on with the next chunk's
+        # bookkeeping, and the launch should not wait a whole switch interval for it.
+        time.sleep(0)
         return [batch]
