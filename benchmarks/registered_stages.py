@@ -32,7 +32,7 @@ EVENTS: list[tuple[str, float, float, str]] = []  # (stage, start, end, thread)
 
 def _targets() -> list[tuple[Any, str, str]]:
     out = [
-        (prefix, "salt_keys", "salt"),
+        (prefix, "salt_key", "salt"),
         (prefix.PrefixStore, "_cpu_slots", "slots"),
         (prefix.PrefixStore, "_new_keyed", "new_keyed"),
         (prefix.PrefixStore, "_resident_prefix", "resident"),

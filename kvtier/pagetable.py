@@ -201,12 +201,6 @@ class PageTable:
         self.key_of[row] = key
         self.tenant_of[row] = tenant
 
-    def add_keys(self, rows: list[int], keys: list[bytes], tenant: str) -> None:
-        """``add_key`` for each (row, key) pair, in one pass per index."""
-        self.by_key.update(zip(keys, rows, strict=True))
-        self.key_of.update(zip(rows, keys, strict=True))
-        self.tenant_of.update(dict.fromkeys(rows, tenant))
-
     def of_pool(self, pool_id: PoolId) -> np.ndarray:
         live = self.state[: self._high] != S_NONE
         return np.flatnonzero(live & (self.pool[: self._high] == pool_id)).astype(np.int64)

@@ -58,17 +58,6 @@ def salt_key(tenant: str, key: bytes) -> bytes:
     return h.digest()
 
 
-def salt_keys(tenant: str, keys: Sequence[bytes]) -> list[bytes]:
-    """``salt_key`` of each key (one tenant lookup for all: this is the per-block cost)."""
-    base = _tenant_hasher(tenant)
-    out = []
-    for key in keys:
-        h = base.copy()
-        h.update(key)
-        out.append(h.digest())
-    return out
-
-
 def chunk_sizes(n: int, page_size: int, batch_bytes: int) -> list[int]:
     """How a store or load of ``n`` blocks is cut so that copies start early: the first chunk's
     key bookkeeping (hashes, lookups, page-table rows) is all that runs before the first copy;
@@ -120,14 +109,13 @@ class PrefixStore:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
             stored, at, full = 0, 0, True
-            by_key = core.table.by_key
             pending = _Copies(pool, Direction.GPU_TO_CPU)
             started: list[Moves] = []  # each chunk's copies start before the next is hashed
             for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
                 todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
-                salted_keys = salt_keys(pool.tenant, keys[at : at + size])
-                for salted, slot in zip(salted_keys, slots[at : at + size], strict=True):
-                    if salted in todo or salted in by_key:
+                for key, slot in zip(keys[at : at + size], slots[at : at + size], strict=True):
+                    salted = salt_key(pool.tenant, key)
+                    if salted in todo or core.table.keyed(salted) is not None:
                         stored += 1  # already stored (or earlier in this call): not rewritten
                         continue
                     todo[salted] = slot
@@ -159,7 +147,8 @@ class PrefixStore:
         rows = t.new_rows(len(keys))
         t.state[rows], t.tier[rows], t.slot[rows] = S_DOWN, Tier.CPU, slots
         t.size[rows], t.prio[rows], t.length[rows] = pool.page_size, 1.0, 1
-        t.add_keys(rows.tolist(), keys, pool.tenant)
+        for row, key in zip(rows.tolist(), keys, strict=True):
+            t.add_key(row, key, pool.tenant)
         return rows
 
     def _cpu_slots(
@@ -293,9 +282,8 @@ class PrefixStore:
     def _prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
         t = self._core.table
         found: list[int] = []
-        by_key = t.by_key
-        for salted in salt_keys(pool.tenant, keys):
-            row = by_key.get(salted)
+        for key in keys:
+            row = t.keyed(salt_key(pool.tenant, key))
             if row is None:
                 break
             found.append(row)

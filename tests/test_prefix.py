@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from kvtier.prefix import FIRST_CHUNK, _tenant_key, chunk_sizes, salt_key, salt_keys
+from kvtier.prefix import FIRST_CHUNK, _tenant_key, chunk_sizes, salt_key
 
 
 def test_salt_key_is_the_keyed_blake2b_of_the_block_key() -> None:
@@ -15,8 +15,6 @@ def test_salt_key_is_the_keyed_blake2b_of_the_block_key() -> None:
             want = hashlib.blake2b(key, key=_tenant_key(tenant), digest_size=16).digest()
             assert salt_key(tenant, key) == want
     assert salt_key("a", b"k") != salt_key("b", b"k")
-    keys = [os.urandom(32) for _ in range(5)]
-    assert salt_keys("a", keys) == [salt_key("a", k) for k in keys]
 
 
 def test_chunks_start_small_double_and_cover_every_block() -> None:

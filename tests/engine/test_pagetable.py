@@ -106,15 +106,3 @@ def test_ids_text_caps_long_lists() -> None:
     ids = table.ids(rows).tolist()
     assert table.ids_text(rows[:3]) == str(ids[:3])
     assert table.ids_text(rows) == f"{str(ids[:8])[:-1]}, ... and 12 more]"
-
-
-def test_add_keys_indexes_every_row_and_remove_forgets_them() -> None:
-    table = PageTable()
-    rows = _pages(table, 3, pool=0, state=S_CPU)
-    keys = [b"k0", b"k1", b"k2"]
-    table.add_keys(rows.tolist(), keys, "tenant")
-    assert [table.keyed(k) for k in keys] == rows.tolist()
-    assert all(table.tenant_of[r] == "tenant" for r in rows.tolist())
-    table.remove(rows[:2])
-    assert [table.keyed(k) for k in keys] == [None, None, int(rows[2])]
-    assert set(table.key_of) == {int(rows[2])}
