@@ -1,5 +1,8 @@
 """GPU<->CPU handlers on CUDA: one gather kernel + one DMA per contiguous host run, per batch.
 
+The kernel is an ``index_select``/``index_copy_`` for a pool of one int64-wide segment, else
+one launch of the pool's segment table (``segtable.py``: every segment of every page at once).
+
 Each handler owns a DMA stream and a kernel stream (the offload's gather runs before its DMA,
 the restore's scatter after, each overlapping a neighbour batch's DMA; restores on the highest
 stream priority), ``depth`` device staging buffers of
