@@ -1,7 +1,8 @@
 """Row gather/scatter across a pool's segments (page ``i`` = row ``i`` of every segment, joined).
 
-These are the only per-batch kernels of the GPU side: one ``index_select`` (gather) or
-``index_copy_`` (scatter) per segment, whatever the number of pages.
+One ``index_select`` (gather) or ``index_copy_`` (scatter) per segment, whatever the number
+of pages: the CPU-mode copies of one-segment pools. Pools of several segments go through
+``segtable.py`` (one launch for all segments on CUDA).
 """
 
 from __future__ import annotations
