@@ -16,15 +16,16 @@ Contract:
       ``int64`` tensor on the pool's device whose values the caller has checked (< num_slots):
       the kernel trusts them.
     * Both run on the current stream and allocate nothing on CUDA. On CUDA with Triton: one
-      kernel, grid (page, segment, chunk of a piece). Without Triton, or on CPU: the same bytes
+      kernel (``_segkernels.py``, imported on the first launch), grid (page, segment, chunk of a
+      piece). Without Triton, or on CPU: the same bytes
       per segment, using the same table's offsets and widths (``kernel`` says which ran).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -34,43 +35,9 @@ _UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 _MAX_GRID_YZ = 65535  # CUDA's limit on the grid's second and third dimensions
 _MAX_BLOCK = 1024  # units one program copies (8 KiB of int64: a 32 KiB piece is four programs)
 
-try:  # Triton ships with CUDA builds of torch; CPU builds run the per-segment path
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _gather_kernel(table, idx, out, page_units, BLOCK: tl.constexpr):
-        j = tl.program_id(0)
-        s = tl.program_id(1)
-        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-        row = tl.load(idx + j)
-        addr = tl.load(table + s * 4)
-        stride = tl.load(table + s * 4 + 1)
-        width = tl.load(table + s * 4 + 2)
-        offset = tl.load(table + s * 4 + 3)
-        src = addr.to(out.dtype) + row * stride
-        mask = cols < width
-        data = tl.load(src + cols, mask=mask)
-        tl.store(out + j.to(tl.int64) * page_units + offset + cols, data, mask=mask)
-
-    @triton.jit
-    def _scatter_kernel(table, idx, src, page_units, BLOCK: tl.constexpr):
-        j = tl.program_id(0)
-        s = tl.program_id(1)
-        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-        row = tl.load(idx + j)
-        addr = tl.load(table + s * 4)
-        stride = tl.load(table + s * 4 + 1)
-        width = tl.load(table + s * 4 + 2)
-        offset = tl.load(table + s * 4 + 3)
-        dst = addr.to(src.dtype) + row * stride
-        mask = cols < width
-        data = tl.load(src + j.to(tl.int64) * page_units + offset + cols, mask=mask)
-        tl.store(dst + cols, data, mask=mask)
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the torch build
-    HAVE_TRITON = False
+# Triton ships with CUDA builds of torch; CPU builds run the per-segment path. The kernels'
+# module is imported on the first CUDA launch, not here (importing Triton takes a while).
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _unit(segments: Sequence[torch.Tensor]) -> tuple[int, torch.dtype]:
@@ -120,7 +87,7 @@ class SegmentTable:
         words = self._units(out)
         if not len(idx):
             return
-        if self.kernel and self._launch(_gather_kernel, idx, words):
+        if self.kernel and self._launch("gather", idx, words):
             return
         for seg, w, o in self._pieces():
             words[:, o : o + w] = seg.index_select(0, idx)
@@ -129,7 +96,7 @@ class SegmentTable:
         words = self._units(src)
         if not len(idx):
             return
-        if self.kernel and self._launch(_scatter_kernel, idx, words):
+        if self.kernel and self._launch("scatter", idx, words):
             return
         for seg, w, o in self._pieces():
             seg.index_copy_(0, idx, words[:, o : o + w])
@@ -140,10 +107,13 @@ class SegmentTable:
         views = [s.view(self.dtype) if u > 1 else s for s in self.segments]
         return list(zip(views, self.widths, self.offsets, strict=True))
 
-    def _launch(self, kernel: Any, idx: torch.Tensor, words: torch.Tensor) -> bool:
+    def _launch(self, name: str, idx: torch.Tensor, words: torch.Tensor) -> bool:
         """One launch for the batch; False (and the per-segment path from then on) if the
         kernel can't be built here."""
         try:
+            from kvtier.transfer import _segkernels
+
+            kernel = _segkernels.GATHER if name == "gather" else _segkernels.SCATTER
             grid = (len(idx), len(self.segments), self._chunks)
             kernel[grid](self._table, idx, words, self.page_units, BLOCK=self._block)
             return True
