@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from functools import partial
@@ -60,8 +61,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         ref = req.pool
         if not req.HasField("pool") or ref.instance != self._tenancy.instance or not req.page_ids:
             return None
-        if len(req.page_ids) > 4096:
-            return None
+        if len(req.page_ids) > 4096 or not 0 <= req.timeout_s < math.inf:
+            return None  # the full path reports a bad timeout_s
         pages = np.array(req.page_ids, dtype=np.int64)  # in C; the engine refuses bad ids
         result: list[int] | None = self._engine.try_acquire(ref.tenant, PoolId(ref.pool_id), pages)
         return result
@@ -73,6 +74,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Attach(self, req: pb.AttachRequest, ctx: Ctx) -> pb.AttachReply:
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
+            validate.layout(req.layout)
             validate.device(req.device, self._device)
             size = validate.page_size(req.page_size, self._page_size)
             slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
@@ -93,6 +95,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
+            validate.layout(req.layout)
             prio = validate.default_priority(req.default_priority)
             views = open_segments(req.segments, self._device)
             pool = self._engine.register(tenant, views, default_priority=prio)
@@ -217,7 +220,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def WatchEvents(self, req: pb.WatchRequest, ctx: Ctx) -> AsyncIterator[pb.Event]:
         def open_sub() -> Any:
             validate.tenant(req.tenant)
-            if req.pool_id:
+            if validate.non_negative(req.pool_id, "pool_id"):
                 self._tenancy.owned(pb.PoolRef(tenant=req.tenant, pool_id=req.pool_id))
             return self._engine.subscribe()
 

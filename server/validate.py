@@ -18,6 +18,7 @@ MAX_KEY_BYTES = 64
 MAX_TENANT_CHARS = 128
 MAX_POOL_SLOTS = 1 << 24
 MAX_SEGMENTS = 4096
+MAX_LAYOUT_CHARS = 4096  # a free-form description, kept in the log only
 
 
 def tenant(name: str, field: str = "tenant") -> str:
@@ -96,8 +97,19 @@ def num_slots(num_pages: int, nbytes: int, which: str | None, size: int) -> int:
     if which == "bytes":
         if nbytes < size:
             raise InvalidArgument("bytes", f"must hold at least one page of {size} bytes")
-        return count(nbytes // size, "bytes", MAX_POOL_SLOTS)
+        if nbytes // size > MAX_POOL_SLOTS:
+            raise InvalidArgument(
+                "bytes", f"must be at most {MAX_POOL_SLOTS * size} ({MAX_POOL_SLOTS} pages of "
+                f"{size} bytes), got {nbytes}")
+        return nbytes // size
     raise InvalidArgument("size", "set num_pages or bytes")
+
+
+def layout(text: str, field: str = "layout") -> str:
+    if len(text) > MAX_LAYOUT_CHARS:
+        raise InvalidArgument(field, f"must be at most {MAX_LAYOUT_CHARS} characters, "
+                                     f"got {len(text)}")
+    return text
 
 
 def device(requested: str, actual: str, field: str = "device") -> str:
