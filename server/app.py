@@ -56,8 +56,9 @@ def listen_addresses(config: OffloadConfig) -> tuple[list[str], str]:
     return addrs, token
 
 
-def _prepare_unix(path: str) -> None:
-    """Create the socket's directory (0750) if missing; the default one must be ours."""
+def socket_dir(path: str) -> str:
+    """Create the socket's directory (0750) if missing; the default one must be ours.
+    OSError propagates (the start-up checks name the setting)."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         os.makedirs(directory, mode=0o750, exist_ok=True)
@@ -65,6 +66,12 @@ def _prepare_unix(path: str) -> None:
     st = os.stat(directory)
     if directory == default_socket_dir() and st.st_uid != os.getuid():
         raise ConfigError(f"socket directory {directory} is owned by uid {st.st_uid}, not us")
+    return directory
+
+
+def _prepare_unix(path: str) -> None:
+    """Only after this daemon holds the socket's lock (``pidlock``): nothing live is unlinked."""
+    socket_dir(path)
     if os.path.exists(path):
         os.unlink(path)  # stale socket of a crashed daemon
 
