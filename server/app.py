@@ -28,6 +28,7 @@ from .fastlane import FastLane, lane_path
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 SERVICE = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -120,10 +121,12 @@ def create_server(
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
     lane = FastLane(engine, path) if path is not None else None
+    tenancy = Tenancy(engine, instance)
+    watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
         engine, device=config.resolved_device(), default_page_size=config.page_size,
-        version=version, tenancy=Tenancy(engine, instance), executor=executor, draining=draining,
-        lane=lane,
+        version=version, tenancy=tenancy, executor=executor, draining=draining,
+        lane=lane, watches=watches,
     )
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()

@@ -11,12 +11,12 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from functools import partial
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
 
+from kvtier.errors import KVTierError
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -25,6 +25,7 @@ from . import convert, validate
 from .errors import is_internal, shortfall, status_for
 from .fastlane import FastLane
 from .tenancy import Tenancy
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,7 +36,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(
         self, engine: Any, *, device: str, default_page_size: int, version: str,
         tenancy: Tenancy, executor: Executor, draining: asyncio.Event,
-        lane: FastLane | None = None,
+        watches: WatchHub, lane: FastLane | None = None,
     ) -> None:
         self._engine = engine
         self._device = device
@@ -45,6 +46,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._executor = executor
         self._lane = lane
         self._draining = draining
+        self._watches = watches
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
         try:
@@ -218,20 +220,19 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         return await self._run(ctx, call)
 
     async def WatchEvents(self, req: pb.WatchRequest, ctx: Ctx) -> AsyncIterator[pb.Event]:
-        def open_sub() -> Any:
+        def check() -> None:
             validate.tenant(req.tenant)
             if validate.non_negative(req.pool_id, "pool_id"):
                 self._tenancy.owned(pb.PoolRef(tenant=req.tenant, pool_id=req.pool_id))
-            return self._engine.subscribe()
 
-        sub = await self._run(ctx, open_sub)
-        sees = partial(self._tenancy.sees, req.tenant, req.pool_id)
+        await self._run(ctx, check)
         try:
-            while not self._draining.is_set():
-                ev = await self._run(ctx, lambda: sub.get(0.25))
-                if ev is None:
-                    continue
-                if await self._run(ctx, partial(sees, ev)):
-                    yield convert.event(ev)
+            watch = self._watches.open(req.tenant, req.pool_id)  # waits on the loop, no thread
+        except KVTierError as exc:
+            await ctx.abort(*status_for(exc))
+            raise  # unreachable: abort raises
+        try:
+            while (event := await watch.next()) is not None:
+                yield convert.event(event)
         finally:
-            sub.close()
+            self._watches.close(watch)
