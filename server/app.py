@@ -120,7 +120,7 @@ def create_server(
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
-    lane = FastLane(engine, path) if path is not None else None
+    lane = FastLane(engine, path, observe) if path is not None else None
     tenancy = Tenancy(engine, instance)
     watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
