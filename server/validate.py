@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import InvalidArgument
+from kvtier.validate import check_name
 
 MAX_IDS = 1 << 16  # ids, keys or pages in one call
 MAX_KEY_BYTES = 64
@@ -22,11 +23,14 @@ MAX_LAYOUT_CHARS = 4096  # a free-form description, kept in the log only
 
 
 def tenant(name: str, field: str = "tenant") -> str:
+    """The engine's own rule (``kvtier.validate.check_name``): 1..128 characters of ASCII
+    letters, digits and ``._:@/-``, starting with a letter or digit. One rule for every call,
+    so a name the daemon accepts anywhere is one an Attach accepts too."""
     if not name:
         raise InvalidArgument(field, "must not be empty")
-    if len(name) > MAX_TENANT_CHARS or not name.isprintable():
-        raise InvalidArgument(field, f"must be 1..{MAX_TENANT_CHARS} printable characters")
-    return name
+    if len(name) > MAX_TENANT_CHARS:
+        raise InvalidArgument(field, f"must be at most {MAX_TENANT_CHARS} characters")
+    return check_name(field, name)
 
 
 def count(value: int, field: str, limit: int = MAX_IDS) -> int:
