@@ -125,8 +125,7 @@ def create_server(
     watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
         engine, device=config.resolved_device(), default_page_size=config.page_size,
-        version=version, tenancy=tenancy, executor=executor, draining=draining,
-        lane=lane, watches=watches,
+        version=version, tenancy=tenancy, executor=executor, watches=watches, lane=lane,
     )
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()

@@ -35,8 +35,8 @@ Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(
         self, engine: Any, *, device: str, default_page_size: int, version: str,
-        tenancy: Tenancy, executor: Executor, draining: asyncio.Event,
-        watches: WatchHub, lane: FastLane | None = None,
+        tenancy: Tenancy, executor: Executor, watches: WatchHub,
+        lane: FastLane | None = None,
     ) -> None:
         self._engine = engine
         self._device = device
@@ -45,7 +45,6 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._tenancy = tenancy
         self._executor = executor
         self._lane = lane
-        self._draining = draining
         self._watches = watches
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
