@@ -6,11 +6,15 @@
 Contract:
     * ``mode="cpu"``: gradients leave the device bucket by bucket during backward (see
       ``gradients.py``; they accumulate on the host across backward passes), the step runs on the
-      CPU in a worker thread (``fused=True`` when the class supports it), and updated weights are
-      copied back (cast to the working dtype on the CPU, then one H2D copy per bucket) while the
-      next bucket steps. ``step()`` consumes the host gradients. With ``step_in_backward=True``
-      a bucket's step starts as soon as its gradients are in, unless inside ``no_sync()`` (use it
-      for every micro-batch but the last); clipping is then impossible.
+      CPU in a worker thread (``fused=True`` when the class supports it), and each bucket's
+      updated weights are copied back (cast to the working dtype on the CPU, then one H2D copy)
+      by the worker as soon as that bucket has stepped, ordered after the bucket's own gradient
+      copy only. ``step()`` consumes the host gradients and makes the compute stream wait for
+      each bucket's weight copy (the host waits only for steps not yet done).
+      ``step_in_backward=True`` (default): a bucket's step starts as soon as its gradients have
+      landed, during the backward, unless inside ``no_sync()`` (use it for every micro-batch of
+      an accumulation but the last; a bucket that gets gradients again after its step started
+      raises :class:`FailedPrecondition`); clipping then needs ``step_in_backward=False``.
     * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
       the working dtype is not fp32 and ``master_weights``) live on the host and are streamed
       through two device staging buffers: bucket ``i + 1`` is loaded while bucket ``i`` steps and
@@ -52,7 +56,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  = torch.optim.AdamW, *, mode: str = "cpu", master_weights: bool = True,
                  state_tier: str = "cpu", arena: BufferArena | None = None,
                  disk_path: str | None = None, disk_store: Any = None, bucket_mb: float = 64,
-                 step_in_backward: bool = False, timeout_s: float = 600.0,
+                 step_in_backward: bool = True, timeout_s: float = 600.0,
                  **optim_kwargs: Any) -> None:
         if mode not in _MODES:
             raise InvalidArgument("mode", f"{mode!r}; accepted: {'|'.join(_MODES)}")
@@ -83,6 +87,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 on_ready=self._on_grads_ready, buckets=[b.params for b in self.buckets],
                 timeout_s=timeout_s)
         self._out_events: list[Any] = [None] * len(self.buckets)
+        self._h2d: list[Any] = [None] * len(self.buckets)  # cpu mode: weight copy per bucket
 
     # ---- construction ----------------------------------------------------------------------
     def _make_buckets(self, cls: type[torch.optim.Optimizer], nbytes: int) -> list[OptBucket]:
@@ -119,8 +124,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self.mode != "cpu" or (b.master_dtype == b.params[0].dtype
                                   and not self.states.on_disk):
             return None
-        layout = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
-        return get_buffer(self.arena, layout.nbytes)
+        return get_buffer(self.arena, self._cast_layout(b).nbytes)
 
     @torch.no_grad()
     def _init_masters(self) -> None:
@@ -143,10 +147,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._no_sync = prev
 
     def _on_grads_ready(self, gb: GradBucket) -> None:
-        if self.step_in_backward and not self._no_sync:
-            b = self.buckets[gb.index]
-            if b.future is None:
-                b.future = self.executor.submit(self._cpu_step, b)
+        if not self.step_in_backward or self._no_sync:
+            return
+        b = self.buckets[gb.index]
+        if b.future is not None:
+            raise FailedPrecondition(
+                f"optimizer bucket {b.index} got gradients again after its step started in "
+                "backward: accumulate inside no_sync() or pass step_in_backward=False")
+        b.future = self.executor.submit(self._cpu_step, b)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -183,21 +191,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _hyper(self, b: OptBucket) -> dict[str, Any]:
         return self.param_groups[b.group]
 
+    @torch.no_grad()
     def _cpu_step(self, b: OptBucket) -> None:
-        """Worker thread: step bucket ``b`` on its host copy."""
+        """Worker thread: step bucket ``b`` on its host copy, then start its weight copy back."""
         assert self.grads is not None
         gb = self.grads.buckets[b.index]
+        StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
         blob = self.states.acquire(b.index)
         self.states.prefetch(b.index + 1)
         views = b.views(blob)
         grads = [g if ok else None for g, ok in zip(gb.grads, gb.present, strict=True)]
         b.run(views["master"], grads, views, self._hyper(b))
         cast = self._cast[b.index]
+        srcs = views["master"]
         if cast is not None:
-            w = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
-            for dst, src in zip(w.views(cast, "w"), views["master"], strict=True):
+            srcs = self._cast_layout(b).views(cast, "w")
+            for dst, src in zip(srcs, views["master"], strict=True):
                 dst.copy_(src)
+        # the bucket's weights were last used by backward work enqueued before its gradient
+        # copy: the copy back needs no later point of the compute stream
+        self._h2d[b.index] = self.streams.copy_many(
+            "h2d", list(b.params), srcs, after=gb.landed, after_compute=gb.landed is None)
         self.states.release(b.index, dirty=True)
+
+    @staticmethod
+    def _cast_layout(b: OptBucket) -> FlatLayout:
+        return FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
 
     def _wait(self, b: OptBucket) -> None:
         fut, b.future = b.future, None
@@ -213,18 +232,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             if b.future is None:
                 b.future = self.executor.submit(self._cpu_step, b)
-        events = []
         for b in self.buckets:
             self._wait(b)
-            cast = self._cast[b.index]
-            if cast is not None:
-                w = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
-                srcs = w.views(cast, "w")
-            else:
-                srcs = b.layout.views(self.states.acquire(b.index), "master")
-            events.append(self.streams.copy_many("h2d", list(b.params), srcs))
-        for e in events:
-            StreamPair.wait_on_compute(e)
+            StreamPair.wait_on_compute(self._h2d[b.index])
         self.states.flush()
         self.grads.zero()
 
@@ -274,7 +284,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             if b.future is not None:
                 self._wait(b)
-        StreamPair.synchronize(*self._out_events)
+        StreamPair.synchronize(*self._out_events, *self._h2d)
         self.states.flush()
 
     def _param_ids(self) -> dict[int, int]:
