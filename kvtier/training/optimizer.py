@@ -17,8 +17,10 @@ Contract:
       raises :class:`FailedPrecondition`); clipping then needs ``step_in_backward=False``.
     * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
       the working dtype is not fp32 and ``master_weights``) live on the host and are streamed
-      through two device staging buffers: bucket ``i + 1`` is loaded while bucket ``i`` steps and
-      bucket ``i - 1`` is written back.
+      through two device staging buffers (``streamed.py``): bucket ``i + 1`` is loaded while
+      bucket ``i`` steps and bucket ``i - 1`` is written back. With ``step_in_backward`` (not
+      for the disk tier) a bucket steps on the compute stream as soon as autograd has
+      accumulated its gradients, which are then freed; ``no_sync()`` as in cpu mode.
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
       read one bucket ahead of use.
     * ``master_weights`` (cpu mode: the host copy is fp32 when True, the working dtype when
@@ -43,6 +45,7 @@ from kvtier.training.buckets import FlatLayout, make_buckets
 from kvtier.training.gradients import GradBucket, GradientOffloader
 from kvtier.training.states import StateStore
 from kvtier.training.stepping import OptBucket, state_keys, with_fused
+from kvtier.training.streamed import DeviceStepper
 from kvtier.training.streams import StreamPair
 
 _MODES = ("cpu", "gpu_stream")
@@ -66,7 +69,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise InvalidArgument("disk_path", "state_tier='disk' needs disk_path or disk_store")
         super().__init__(params, dict(optim_kwargs))
         self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
-        self.step_in_backward = step_in_backward and mode == "cpu"
+        self.step_in_backward = step_in_backward and (mode == "cpu" or state_tier == "cpu")
         self.arena = arena if arena is not None else default_arena()
         self.streams = StreamPair()
         self._no_sync = False
@@ -86,7 +89,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 accum_dtype=torch.float32 if master_weights else None, executor=self.executor,
                 on_ready=self._on_grads_ready, buckets=[b.params for b in self.buckets],
                 timeout_s=timeout_s)
-        self._out_events: list[Any] = [None] * len(self.buckets)
+        self.stepper: DeviceStepper | None = None
+        self._hooks: list[Any] = []
+        self._arrived: list[set[int]] = []
+        if mode == "gpu_stream":
+            self.stepper = DeviceStepper(self.buckets, self.states, self.streams, self._hyper)
+            if self.step_in_backward:
+                self._watch_device_grads()
         self._h2d: list[Any] = [None] * len(self.buckets)  # cpu mode: weight copy per bucket
 
     # ---- construction ----------------------------------------------------------------------
@@ -156,9 +165,39 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "backward: accumulate inside no_sync() or pass step_in_backward=False")
         b.future = self.executor.submit(self._cpu_step, b)
 
+    def _watch_device_grads(self) -> None:
+        """gpu_stream: step each bucket once autograd has accumulated all of its gradients."""
+        where = {id(p): b.index for b in self.buckets for p in b.params}
+        arrived = self._arrived = [set() for _ in self.buckets]
+
+        def hook(p: torch.Tensor) -> None:
+            k = where[id(p)]
+            arrived[k].add(id(p))
+            complete = len(arrived[k]) == len(self.buckets[k].params)
+            if complete:
+                arrived[k].clear()
+            stepper = self.stepper
+            assert stepper is not None
+            if self._no_sync:
+                return
+            if len(arrived[k]) == 1:
+                stepper.stage(k)  # the bucket's first gradient: start loading its states
+            if complete:
+                if k in stepper.done:
+                    raise FailedPrecondition(
+                        f"optimizer bucket {k} got gradients again after its step in "
+                        "backward: accumulate inside no_sync() or pass step_in_backward=False")
+                stepper.step_bucket(k)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook)
+                       for b in self.buckets for p in b.params]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all gradients by their total norm (wherever they are); returns the norm."""
+        if self.stepper is not None and self.stepper.done:
+            raise FailedPrecondition("bucket steps already started (step_in_backward): "
+                                     "gradients can no longer be clipped")
         if self.grads is None:
             params = [p for g in self.param_groups for p in g["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
@@ -238,53 +277,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.states.flush()
         self.grads.zero()
 
-    def _stage_in(self, b: OptBucket, dev: torch.Tensor, after: list[Any]) -> tuple[Any, Any]:
-        blob = self.states.acquire(b.index)
-        n = b.layout.nbytes
-        return blob, self.streams.copy_many("h2d", [dev[:n]], [blob], after=after)
-
     def _step_gpu_stream(self) -> None:
-        if not self.buckets:
-            return
-        device = self.buckets[0].params[0].device
-        size = max(b.layout.nbytes for b in self.buckets)
-        slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
-        staged: dict[int, tuple[Any, Any]] = {}
-        out: dict[int, Any] = {}
-        for i, b in enumerate(self.buckets):
-            for k in (i, i + 1):
-                if k < len(self.buckets) and k not in staged:
-                    self.states.prefetch(k)
-                    staged[k] = self._stage_in(self.buckets[k], slots[k % 2],
-                                               [out.get(k - 2), self._out_events[k]])
-            blob, ready = staged.pop(i)
-            StreamPair.wait_on_compute(ready)
-            out[i] = self._gpu_bucket_step(b, slots[i % 2][: b.layout.nbytes], blob)
-            if self.states.on_disk:
-                StreamPair.synchronize(out[i])
-                self.states.release(i, dirty=True)
-        self._out_events = [out[i] for i in range(len(self.buckets))]
-        self.states.flush()
-
-    def _gpu_bucket_step(self, b: OptBucket, dev: torch.Tensor, blob: torch.Tensor) -> Any:
-        """Step bucket ``b`` staged in ``dev``; start writing it back to ``blob``."""
-        views = b.views(dev)
-        targets = views["master"] if b.has_master else b.params
-        mdt = b.master_dtype
-        grads = [None if p.grad is None else p.grad.to(mdt) if mdt else p.grad
-                 for p in b.params]
-        b.run(targets, grads, views, self._hyper(b))
-        if b.has_master:
-            for p, m in zip(b.params, views["master"], strict=True):
-                p.copy_(m)
-        return self.streams.copy_many("d2h", [blob], [dev])
+        assert self.stepper is not None
+        self.stepper.finish()
+        for arrived in self._arrived:
+            arrived.clear()  # parameters that got no gradient this step
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _finish(self) -> None:
         for b in self.buckets:
             if b.future is not None:
                 self._wait(b)
-        StreamPair.synchronize(*self._out_events, *self._h2d)
+        StreamPair.synchronize(*self._h2d, *(self.stepper.out if self.stepper else []))
         self.states.flush()
 
     def _param_ids(self) -> dict[int, int]:
@@ -342,6 +346,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Stop the worker, remove hooks and return host buffers to the arena."""
         self._finish()
+        for h in self._hooks:
+            h.remove()
         if self.grads is not None:
             self.grads.close()
         self.executor.shutdown(wait=True)

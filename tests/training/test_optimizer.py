@@ -168,11 +168,12 @@ def test_load_resyncs_working_weights_from_master(tiny: SimpleNamespace, arena: 
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
 def test_step_in_backward_with_no_sync_accumulation(tiny: SimpleNamespace, arena: Any,
-                                                    tmp_path: Path) -> None:
+                                                    tmp_path: Path, mode: str) -> None:
     ref, ours = tiny.make_model(), tiny.make_model()
     train(tiny, ref, RefPlain(ref), range(3), accum=3)
-    opt = offloaded(ours, arena, tmp_path, "cpu", "cpu", step_in_backward=True)
+    opt = offloaded(ours, arena, tmp_path, mode, "cpu", step_in_backward=True)
     train(tiny, ours, opt, range(3), accum=3, no_sync=True)
     assert tiny.params_equal(ref, ours)
     (ours(tiny.batch(9))).backward()
@@ -245,10 +246,11 @@ def test_default_steps_buckets_during_backward_bit_exact(tiny: SimpleNamespace, 
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
 def test_accumulating_without_no_sync_after_early_steps_is_refused(
-        tiny: SimpleNamespace, arena: Any, tmp_path: Path) -> None:
+        tiny: SimpleNamespace, arena: Any, tmp_path: Path, mode: str) -> None:
     model = tiny.make_model()
-    opt = offloaded(model, arena, tmp_path, "cpu", "cpu")
+    opt = offloaded(model, arena, tmp_path, mode, "cpu")
     model(tiny.batch(0)).backward()
     with pytest.raises(FailedPrecondition, match="no_sync"):
         model(tiny.batch(0, 1)).backward()
