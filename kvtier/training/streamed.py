@@ -3,8 +3,9 @@ the device, written back to their host (or disk) home.
 
 ``DeviceStepper(buckets, states, streams, hyper)``:
     * ``stage(k)`` starts loading bucket ``k``'s blob into a free slot (H2D stream, after the
-      slot's previous write-back and after bucket ``k``'s own previous write-back); False when
-      no slot is free. A bucket already staged or stepped this step is left alone.
+      slot's previous write-back and after bucket ``k``'s own previous write-back, not after
+      the compute stream's queued work); False when no slot is free. A bucket already staged
+      or stepped this step is left alone.
     * ``step_bucket(k)`` makes the compute stream wait for bucket ``k``'s blob, enqueues its step
       (the bucket's gradients are consumed and freed), starts the write-back (D2H stream) and
       stages bucket ``k + 1`` into the slot that frees up. Nothing blocks the host except the
@@ -50,7 +51,8 @@ class DeviceStepper:
         self._slots = [torch.empty(size, dtype=torch.uint8, device=device)
                        for _ in range(SLOTS)]
         self._free = list(range(SLOTS))
-        self._slot_after = [None] * SLOTS
+        # fresh memory may still be read by compute work queued before it was given out
+        self._slot_after = [StreamPair.mark(device)] * SLOTS
 
     def stage(self, k: int) -> bool:
         if k >= len(self.buckets) or k in self._staged or k in self.done:
@@ -62,8 +64,11 @@ class DeviceStepper:
         self.states.prefetch(k)
         blob = self.states.acquire(k)
         n = self.buckets[k].layout.nbytes
+        # a load waits for the slot's last write-back and the bucket's own, never for the
+        # compute stream: the hooks run far ahead of the backward the device is executing
         ready = self.streams.copy_many("h2d", [self._slots[s][:n]], [blob],
-                                       after=[self._slot_after[s], self.out[k]])
+                                       after=[self._slot_after[s], self.out[k]],
+                                       after_compute=False)
         self._staged[k] = (s, blob, ready)
         return True
 
