@@ -5,7 +5,8 @@ Per row: mean step time (forward + backward + step + zero_grad, host wall clock 
 synchronisations), the ratio to the ``plain`` row of the same shape, peak GPU memory over the
 measured steps, the last step's loss (the variants train the same model on the same data), and
 for ``kvtier_disk`` the disk traffic per step (GB/s) beside ``raw_disk``: the same disk's own
-O_DIRECT bandwidth measured in the same run. Shapes and variants: ``training_optim_cases.py``.
+O_DIRECT bandwidth measured in the same run (check ``disk_tier_share_of_raw``: the time the raw
+disk needs for one step's reads and writes over the step time; 1.0 = disk-bound at raw speed). Shapes and variants: ``training_optim_cases.py``.
 
     python benchmarks/training_optim.py --out $OUT/optim.json                  # ~6 min on an H100
     python benchmarks/training_optim.py --shapes mlp --variants plain,kvtier_cpu --out x.json
@@ -56,7 +57,7 @@ def measure(shape: Shape, variant: str, warmup: int, steps: int) -> dict[str, An
                 _sync()
                 if dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                moved0 = _disk_bytes(opt)
+                read0, written0 = _disk_bytes(opt)
             _sync()
             t0 = time.perf_counter()
             loss = model(x).float().pow(2).mean()
@@ -71,10 +72,11 @@ def measure(shape: Shape, variant: str, warmup: int, steps: int) -> dict[str, An
             "step_s": step, "min_step_s": min(times[warmup:]),
             "peak_gib": torch.cuda.max_memory_allocated() / GIB if dev == "cuda" else 0.0,
             "loss": float(losses[-1]), "params": sum(p.numel() for p in model.parameters())}
-        moved = _disk_bytes(opt) - moved0
-        if moved:
-            out["disk_gbs"] = moved / steps / step / 1e9
-            out["disk_bytes_per_step"] = moved / steps
+        read, written = (n - n0 for n, n0 in zip(_disk_bytes(opt), (read0, written0),
+                                                  strict=True))
+        if read or written:
+            out["disk_gbs"] = (read + written) / steps / step / 1e9
+            out["disk_read_per_step"], out["disk_written_per_step"] = read / steps, written / steps
         if hasattr(opt, "close"):
             opt.close()
         return out
@@ -82,9 +84,11 @@ def measure(shape: Shape, variant: str, warmup: int, steps: int) -> dict[str, An
         shutil.rmtree(where, ignore_errors=True)
 
 
-def _disk_bytes(opt: Any) -> int:
+def _disk_bytes(opt: Any) -> tuple[int, int]:
     states = getattr(opt, "states", None)
-    return 0 if states is None or not states.on_disk else states.bytes_read + states.bytes_written
+    if states is None or not states.on_disk:
+        return 0, 0
+    return states.bytes_read, states.bytes_written
 
 
 def child(shape: str, variant: str, warmup: int, steps: int, tiny: bool) -> int:
@@ -129,8 +133,11 @@ def checks_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{shape}_gpu_stream_le_1.3x_plain"] = gs["ratio"] <= 1.3
     raw, disk = get.get(("disk", "raw_disk")), get.get(("disk", "kvtier_disk"))
     if raw and disk and "disk_gbs" in disk:
-        out["disk_tier_share_of_raw"] = disk["disk_gbs"] / (
-            (raw["read_gbs"] + raw["write_gbs"]) / 2)
+        # the time the raw disk needs for one step's reads and writes, over the step time:
+        # 1.0 = the step runs at the disk's own speed
+        need = (disk["disk_read_per_step"] / raw["read_gbs"]
+                + disk["disk_written_per_step"] / raw["write_gbs"]) / 1e9
+        out["disk_tier_share_of_raw"] = need / disk["step_s"]
     return out
 
 
