@@ -8,7 +8,9 @@ small parameters), ``mixed`` (the mlp shape with bf16 working weights and fp32 m
 Variants: ``plain`` (fused GPU AdamW; fp32 master weights on the GPU for ``mixed``), ``torchao``
 and ``torchao_og`` (torchao's ``CPUOffloadOptimizer``, ``offload_gradients=False``/``True``; for
 ``mixed`` it steps its bf16 CPU copies: torchao keeps no fp32 master), ``kvtier_cpu`` (the
-default: bucket steps during backward), ``kvtier_cpu_deferred`` (``step_in_backward=False``),
+default: bucket steps during backward), ``kvtier_cpu_bf16`` (``master_weights=False``: host
+copies and states in the working dtype, torchao's arithmetic for ``mixed``),
+``kvtier_cpu_deferred`` (``step_in_backward=False``),
 ``kvtier_gpu_stream``, ``kvtier_disk`` (cpu step, states on disk) and ``raw_disk`` (the disk's
 own O_DIRECT bandwidth, no model).
 """
@@ -45,7 +47,7 @@ SHAPES: dict[str, Shape] = {
     "mixed": Shape(10, 4096, 14336, 4, 1024, torch.bfloat16),
     "disk": Shape(2, 4096, 14336, 4, 1024, torch.float32),
 }
-VARIANTS = ("plain", "torchao", "torchao_og", "kvtier_cpu", "kvtier_cpu_deferred",
+VARIANTS = ("plain", "torchao", "torchao_og", "kvtier_cpu", "kvtier_cpu_bf16", "kvtier_cpu_deferred",
             "kvtier_gpu_stream", "kvtier_disk")
 
 
@@ -117,6 +119,8 @@ def optimizer(variant: str, model: nn.Module, disk_dir: str) -> Any:
     kw: dict[str, Any] = {"lr": LR}
     if variant == "kvtier_cpu_deferred":
         kw["step_in_backward"] = False
+    if variant == "kvtier_cpu_bf16":
+        kw["master_weights"] = False
     if variant == "kvtier_gpu_stream":
         kw["mode"] = "gpu_stream"
     if variant == "kvtier_disk":

@@ -85,6 +85,8 @@ def optimizer_for(kind: str, model: nn.Module, arena: Any) -> Any:
     if kind == "cpu":
         return OffloadedOptimizer(model.parameters(), mode="cpu", arena=arena, lr=1e-4)
     if kind == "gpu_stream":
+        # stepped after backward, so that the rows' forward+backward times are the activation
+        # offload's own (in backward the states' copies would share the link with reloads)
         return OffloadedOptimizer(model.parameters(), mode="gpu_stream", arena=arena, lr=1e-4,
-                                  bucket_mb=256)
+                                  bucket_mb=256, step_in_backward=False)
     return GpuMixedAdamW(model)
