@@ -123,3 +123,11 @@ def test_optimizer_checks_judge_against_peers_and_raw_disk() -> None:
     assert checks["mlp_cpu_not_slower_than_torchao"] is True
     assert checks["mlp_cpu_peak_le_torchao"] is True
     assert checks["disk_tier_share_of_raw"] == pytest.approx(1.0)  # 1 s + 1 s of 2 s
+
+
+def test_drained_sweep_point_is_a_variant(bench: dict[str, Any]) -> None:
+    a = bench["parse"](["--variants", "no_offload,kvtier_act@3+", "--out", "x.json"])
+    assert a.variants == ["no_offload", "kvtier_act@3+"]
+    variants = runpy.run_path(str(ROOT / "benchmarks" / "training_variants.py"))
+    assert variants["offload_groups"]("kvtier_act@3+", 4) == 3
+    assert variants["inflight_bound"]("kvtier_act@3+") is None
