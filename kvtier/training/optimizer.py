@@ -15,6 +15,9 @@ Contract:
       landed, during the backward, unless inside ``no_sync()`` (use it for every micro-batch of
       an accumulation but the last; a bucket that gets gradients again after its step started
       raises :class:`FailedPrecondition`); clipping then needs ``step_in_backward=False``.
+      Steps in backward assume that no backward work queued after a parameter's gradient is
+      complete reads that parameter (true of autograd's own nodes, which read a weight in the
+      node that produces its gradient; not of a use through ``.detach()``).
     * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
       the working dtype is not fp32 and ``master_weights``) live on the host and are streamed
       through two device staging buffers (``streamed.py``): bucket ``i + 1`` is loaded while
