@@ -17,7 +17,12 @@ from kvtier.errors import (
 
 
 class Unauthenticated(KVTierError):
-    """The daemon refused the call's token (TCP listeners need ``token=``)."""
+    """The daemon refused the call's token (TCP listeners need ``token=``; a daemon that checks
+    tenants needs ``tenant_token=``)."""
+
+
+class PermissionDenied(Unauthenticated):
+    """A valid tenant token, but for another tenant (or a view it may not see)."""
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVTierError:
@@ -36,7 +41,7 @@ def from_rpc_error(err: grpc.RpcError) -> KVTierError:
         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
         grpc.StatusCode.DATA_LOSS: PageLost,
         grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-        grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     }
     cls = simple.get(code, KVTierError)
     return cls(f"{text} [{code.name}]" if cls is KVTierError else text)

@@ -24,6 +24,7 @@ from kvtier.errors import ConfigError
 from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 
 from .auth import TokenAuth
+from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
@@ -104,8 +105,9 @@ def create_server(
     addrs, token = listen_addresses(config)
     draining = asyncio.Event()
     limit = config.max_message_mb * MIB
+    tenants = TenantCredentials.load(config.tenants_file) if config.tenants_file else None
     server = grpc.aio.server(
-        interceptors=[Gate(TokenAuth(token), draining, observe)],
+        interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
     )

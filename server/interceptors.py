@@ -1,4 +1,5 @@
-"""One server interceptor at the door of every call: drain gate, token check, RPC metrics.
+"""One server interceptor at the door of every call: drain gate, token check, tenant
+credentials (``credentials.py``, when configured), RPC metrics.
 
 Health calls pass untouched (probes must work while draining and without a token).
 """
@@ -13,15 +14,18 @@ from typing import Any
 import grpc
 
 from .auth import HEALTH_PREFIX, TokenAuth
+from .credentials import TenantCredentials
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
 
 
 class Gate(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None) -> None:
+    def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None,
+                 tenants: TenantCredentials | None = None) -> None:
         self._auth = auth
         self._draining = draining
         self._observe = observe
+        self._tenants = tenants
 
     async def intercept_service(
         self,
@@ -34,11 +38,16 @@ class Gate(grpc.aio.ServerInterceptor):
             return handler
         return _wrap(handler, _Call(self, method.rsplit("/", 1)[-1], method))
 
-    async def admit(self, method: str, ctx: Any) -> None:
+    async def admit(self, method: str, ctx: Any, request: Any) -> None:
         if self._draining.is_set():
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining; retry later")
-        if not self._auth.allows(method, ctx.peer(), ctx.invocation_metadata() or ()):
+        metadata = ctx.invocation_metadata() or ()
+        if not self._auth.allows(method, ctx.peer(), metadata):
             await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        if self._tenants is not None:
+            refused = self._tenants.refuse(method, request, metadata)
+            if refused is not None:
+                await ctx.abort(*refused)
 
     def done(self, name: str, ctx: Any, start: float, failed: bool) -> None:
         if self._observe is None:
@@ -59,7 +68,7 @@ class _Call:
     async def unary(self, inner: Callable[..., Any], req: Any, ctx: Any) -> Any:
         start, failed = time.perf_counter(), True
         try:
-            await self.gate.admit(self.method, ctx)
+            await self.gate.admit(self.method, ctx, req)
             result = await inner(req, ctx)
             failed = False
             return result
@@ -69,7 +78,7 @@ class _Call:
     async def stream(self, inner: Callable[..., Any], req: Any, ctx: Any) -> AsyncIterator[Any]:
         start, failed = time.perf_counter(), True
         try:
-            await self.gate.admit(self.method, ctx)
+            await self.gate.admit(self.method, ctx, req)
             out = inner(req, ctx)
             if hasattr(out, "__aiter__"):
                 async for item in out:

@@ -1,0 +1,131 @@
+"""Tenant credentials: which caller may act as which tenant.
+
+Without ``KVCACHED_OFFLOAD_TENANTS_FILE`` tenants are self-declared: whoever can open the socket
+may name any tenant (the socket's permissions are the only boundary). With it, every call that
+names a tenant (``tenant`` or ``pool.tenant``) must carry that tenant's token as metadata
+``kvtier-tenant-token``:
+
+    * no token, or a token of nobody: ``UNAUTHENTICATED``;
+    * a valid token of another tenant (or the admin's): ``PERMISSION_DENIED``;
+    * ``Stats`` with an empty tenant is the daemon-wide view: the admin token only.
+
+Checked at the door (``interceptors.Gate``), before the call runs: a refused call changes
+nothing. The fast lane needs no check of its own: its capabilities are handed out only in the
+reply of an Attach that passed this one.
+
+The file: one ``tenant token`` per line (whitespace-separated; ``#`` starts a comment), and
+``@admin token`` for the admin credential. It must not be readable or writable by group or
+others; it is read once, at start. Tokens are compared in constant time (every entry is
+compared, whichever matches).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import stat
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from kvtier.config import ENV_PREFIX
+from kvtier.errors import ConfigError
+
+TOKEN_KEY = "kvtier-tenant-token"
+ADMIN = "@admin"
+VAR = ENV_PREFIX + "TENANTS_FILE"
+Refusal = tuple[grpc.StatusCode, str]
+
+
+class TenantCredentials:
+    """Tenant (or ``ADMIN``) -> token; see the module docstring."""
+
+    def __init__(self, tokens: dict[str, bytes]) -> None:
+        self._tokens = tokens
+
+    @classmethod
+    def load(cls, path: str) -> TenantCredentials:
+        """Read and check the file; ``ConfigError`` naming the variable on any problem."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ConfigError(f"{VAR}: cannot open {path!r}: {exc.strerror}") from None
+        with os.fdopen(fd, encoding="utf-8") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError(f"{VAR}: {path!r} is not a regular file")
+            if mode & 0o077:
+                raise ConfigError(
+                    f"{VAR}: {path!r} has mode {stat.S_IMODE(mode):04o}: group or others may "
+                    "access it; chmod 600 it"
+                )
+            text = fh.read()
+        return cls(_parse(text, path))
+
+    def refuse(self, method: str, request: Any, metadata: Sequence[tuple[str, Any]]) -> \
+            Refusal | None:
+        """Why the call may not run (status, message), or ``None`` when it may."""
+        tenant = _tenant_of(request)
+        token = _token(metadata)
+        if token is None:
+            return grpc.StatusCode.UNAUTHENTICATED, f"missing tenant token (metadata {TOKEN_KEY})"
+        who = self._holder(token)
+        if who is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "invalid tenant token"
+        stats = method.endswith("/Stats")
+        if stats and (not tenant or who == ADMIN):
+            if who == ADMIN:
+                return None
+            return grpc.StatusCode.PERMISSION_DENIED, "the daemon-wide Stats view needs the " \
+                "admin credential"
+        if who != tenant:
+            return grpc.StatusCode.PERMISSION_DENIED, f"the token is not valid for tenant " \
+                f"{tenant[:128]!r}"
+        return None
+
+    def _holder(self, token: bytes) -> str | None:
+        """Who holds ``token``: every entry is compared, so timing says nothing of which."""
+        found = None
+        for name, known in self._tokens.items():
+            if hmac.compare_digest(token, known):
+                found = name
+        return found
+
+
+def _parse(text: str, path: str) -> dict[str, bytes]:
+    tokens: dict[str, bytes] = {}
+    seen: set[bytes] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        body = line.split("#", 1)[0].split()
+        if not body:
+            continue
+        if len(body) != 2:
+            raise ConfigError(f"{VAR}: {path!r} line {number}: expected 'tenant token'")
+        name, token = body[0], body[1].encode()
+        if name in tokens or token in seen:
+            raise ConfigError(f"{VAR}: {path!r} line {number}: repeated tenant or token")
+        tokens[name] = token
+        seen.add(token)
+    if not tokens:
+        raise ConfigError(f"{VAR}: {path!r} lists no tenant")
+    return tokens
+
+
+def _tenant_of(request: Any) -> str:
+    """The tenant a request names (``pool.tenant`` or ``tenant``); "" if it names none (then
+    only the admin may make it, and only a Stats call)."""
+    descriptor = getattr(request, "DESCRIPTOR", None)
+    fields = descriptor.fields_by_name if descriptor is not None else {}
+    if "pool" in fields:
+        return str(request.pool.tenant)
+    if "tenant" in fields:
+        return str(request.tenant)
+    return ""
+
+
+def _token(metadata: Sequence[tuple[str, Any]]) -> bytes | None:
+    for key, value in metadata:
+        if key == TOKEN_KEY:
+            return value if isinstance(value, bytes) else str(value).encode()
+    return None
