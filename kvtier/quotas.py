@@ -44,7 +44,10 @@ class Quota:
     disk: int | None = None
 
     def of(self, tier: Tier) -> int | None:
-        return (self.gpu, self.cpu, self.disk)[int(tier)]
+        return self.sizes()[int(tier)]
+
+    def sizes(self) -> tuple[int | None, int | None, int | None]:
+        return self.gpu, self.cpu, self.disk
 
 
 def _size(text: str) -> int:
@@ -103,8 +106,7 @@ class TenantLedger:
             return got
         got = self._ids[tenant] = len(self.names)
         self.names.append(tenant)
-        quota = self.quotas.get(tenant, self.quotas.get(DEFAULT, Quota()))
-        limits = [-1 if q is None else q for q in (quota.gpu, quota.cpu, quota.disk)]
+        limits = [-1 if q is None else q for q in self.quota(tenant).sizes()]
         self.limit = np.concatenate([self.limit, np.array(limits, dtype=np.int64)[:, None]], 1)
         for name in ("settled", "incoming", "moved_pages", "moved_bytes", "hits", "evictions"):
             old = getattr(self, name)
@@ -113,6 +115,11 @@ class TenantLedger:
         for reason, arr in self.drops.items():
             self.drops[reason] = np.append(arr, 0)
         return got
+
+    def quota(self, tenant: str) -> Quota:
+        """``tenant``'s quota (its entry, else ``*``'s, else none); assigns no owner id, so a
+        caller naming tenants at will (a refused Attach) can't grow the ledger."""
+        return self.quotas.get(tenant, self.quotas.get(DEFAULT, Quota()))
 
     def find(self, tenant: str) -> int:
         """The owner id of ``tenant``, 0 when it has never held anything."""

@@ -29,10 +29,8 @@ if TYPE_CHECKING:
 def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool) -> None:
     """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota or the budget."""
     mine = sum(p.num_slots * p.page_size for p in core.pools.values() if p.tenant == tenant)
-    ledger = core.ledger
-    owner = ledger.owner(tenant)  # may grow the ledger's arrays: before reading them
-    limit = int(ledger.limit[Tier.GPU, owner]) if ledger.active else -1
-    if limit >= 0 and mine + nbytes > limit:
+    limit = core.ledger.quota(tenant).gpu
+    if limit is not None and mine + nbytes > limit:
         raise CapacityError(
             f"tenant {tenant!r}: a pool of {nbytes} B exceeds its GPU quota "
             f"({mine} B of {limit} B in use)"

@@ -158,6 +158,11 @@ def test_gpu_quota_at_attach_names_the_tenants_own_quota(make_engine):
     assert "'a'" in text and f"{8 * PAGE} B" in text and "free" not in text
     assert len(engine.pools("a")) == 1  # nothing changed
     engine.attach("b", 8)  # another tenant is not charged for a's pools
+    names = len(engine._core.ledger.names)
+    for i in range(20):  # refused attaches under made-up names leave no trace in the ledger
+        with pytest.raises(CapacityError):
+            engine.attach(f"made-up-{i}", 10_000)
+    assert len(engine._core.ledger.names) == names
 
 
 def test_gpu_budget_message_reveals_no_free_bytes(make_engine):

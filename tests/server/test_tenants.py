@@ -8,6 +8,7 @@ daemon-wide view needs the admin token (or, without credentials, just the socket
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -17,7 +18,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvtier.client import KVTierClient, PermissionDenied, Unauthenticated
+from kvtier.client import (
+    KVTierClient,
+    PermissionDenied,
+    Unauthenticated,
+    connect,
+    connect_async,
+)
 from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args
 
 from kvtier.errors import CapacityError
@@ -132,6 +139,19 @@ def test_every_call_needs_the_tenants_own_token(secured: Daemon) -> None:
         stream = client(secured, "a", TOKENS["b"]).watch_events(duration=2)
         with pytest.raises(PermissionDenied):
             next(stream)
+
+
+def test_both_clients_send_the_token(secured: Daemon, tmp_path: Path) -> None:
+    token_file = tmp_path / "token-b"
+    token_file.write_text(TOKENS["b"] + "\n")
+    with connect(secured.address, tenant="b", tenant_token_file=str(token_file)) as b:
+        assert b.attach(1).num_slots == 1
+
+    async def run() -> int:
+        async with connect_async(secured.address, tenant="b", tenant_token=TOKENS["b"]) as c:
+            return int((await c.stats()).pools)
+
+    assert asyncio.run(run()) == 1
 
 
 def test_fast_lane_capability_comes_only_with_an_authenticated_attach(secured: Daemon) -> None:
