@@ -12,17 +12,14 @@ from kvtier.errors import (
     KVTierError,
     NotFound,
     PageLost,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 
-
-class Unauthenticated(KVTierError):
-    """The daemon refused the call's token (TCP listeners need ``token=``; a daemon that checks
-    tenants needs ``tenant_token=``)."""
-
-
-class PermissionDenied(Unauthenticated):
-    """A valid tenant token, but for another tenant (or a view it may not see)."""
+# The daemon refused the call's token: TCP listeners need ``token=``; a daemon that checks
+# tenants needs ``tenant_token=`` (PermissionDenied: a valid token of someone else).
+__all__ = ["PermissionDenied", "Unauthenticated", "from_rpc_error"]
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVTierError:

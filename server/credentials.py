@@ -27,15 +27,12 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from kvtier.config import ENV_PREFIX
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, PermissionDenied, Unauthenticated
 
 TOKEN_KEY = "kvtier-tenant-token"
 ADMIN = "@admin"
 VAR = ENV_PREFIX + "TENANTS_FILE"
-Refusal = tuple[grpc.StatusCode, str]
 
 
 class TenantCredentials:
@@ -64,24 +61,22 @@ class TenantCredentials:
         return cls(_parse(text, path))
 
     def refuse(self, method: str, request: Any, metadata: Sequence[tuple[str, Any]]) -> \
-            Refusal | None:
-        """Why the call may not run (status, message), or ``None`` when it may."""
+            Unauthenticated | None:
+        """Why the call may not run (``Unauthenticated`` or ``PermissionDenied``: the gRPC
+        status is ``server/errors.py``'s), or ``None`` when it may."""
         tenant = _tenant_of(request)
         token = _token(metadata)
         if token is None:
-            return grpc.StatusCode.UNAUTHENTICATED, f"missing tenant token (metadata {TOKEN_KEY})"
+            return Unauthenticated(f"missing tenant token (metadata {TOKEN_KEY})")
         who = self._holder(token)
         if who is None:
-            return grpc.StatusCode.UNAUTHENTICATED, "invalid tenant token"
-        stats = method.endswith("/Stats")
-        if stats and (not tenant or who == ADMIN):
-            if who == ADMIN:
-                return None
-            return grpc.StatusCode.PERMISSION_DENIED, "the daemon-wide Stats view needs the " \
-                "admin credential"
+            return Unauthenticated("invalid tenant token")
+        if method.endswith("/Stats") and who == ADMIN:
+            return None  # the admin reads any view, and only that
+        if method.endswith("/Stats") and not tenant:
+            return PermissionDenied("the daemon-wide Stats view needs the admin credential")
         if who != tenant:
-            return grpc.StatusCode.PERMISSION_DENIED, f"the token is not valid for tenant " \
-                f"{tenant[:128]!r}"
+            return PermissionDenied(f"the token is not valid for tenant {tenant[:128]!r}")
         return None
 
     def _holder(self, token: bytes) -> str | None:

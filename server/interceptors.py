@@ -15,6 +15,7 @@ import grpc
 
 from .auth import HEALTH_PREFIX, TokenAuth
 from .credentials import TenantCredentials
+from .errors import status_for
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
 
@@ -47,7 +48,7 @@ class Gate(grpc.aio.ServerInterceptor):
         if self._tenants is not None:
             refused = self._tenants.refuse(method, request, metadata)
             if refused is not None:
-                await ctx.abort(*refused)
+                await ctx.abort(*status_for(refused))
 
     def done(self, name: str, ctx: Any, start: float, failed: bool) -> None:
         if self._observe is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 from kvtier.server.credentials import TOKEN_KEY, TenantCredentials
+from kvtier.server.errors import status_for
 
 from kvtier.errors import ConfigError
 from kvtier.v1 import kvtier_pb2 as pb
@@ -63,7 +64,7 @@ def test_the_rule(tmp_path):
     def code(method: str, request: object, token: str | bytes | None) -> object:
         md = [(TOKEN_KEY, token)] if token is not None else []
         got = creds.refuse(f"/kvtier.v1.KVTier/{method}", request, md)
-        return None if got is None else got[0]
+        return None if got is None else status_for(got)[0]
 
     assert code("Free", free, "tok-a") is None
     assert code("Free", free, b"tok-a") is None  # binary metadata reads the same
