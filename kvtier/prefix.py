@@ -163,9 +163,12 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            # A window the CPU tier can hold at once: a prefix longer than the CPU tier is
-            # brought up from disk and copied in a window at a time.
+            # A window the CPU tier (and the tenant's CPU quota) can hold at once: a prefix
+            # longer than that is brought up from disk and copied in a window at a time.
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+            share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
+            if share is not None:
+                window = max(1, min(window, share // pool.page_size))
             loaded = 0
             while loaded < len(keys):
                 part = keys[loaded : loaded + window]

@@ -202,3 +202,45 @@ def test_tenant_stats_view_is_the_tenants_own(make_engine):
     assert (whole.pools, whole.tenants, whole.keyed_pages) == (2, 2, 6)
     engine.free(pb.pool_id, [p for p, _ in got])
     ledger_matches_table(engine)
+
+
+def test_restores_through_a_small_cpu_quota_complete(make_engine):
+    """Pages pass through the CPU tier on their way up: a CPU quota smaller than what is
+    restored at once must slow a restore down, never stall it."""
+    engine = make_engine(
+        cpu_memory_gb=16 * PAGE / 2**30,
+        disk_admission="always",
+        tenant_quotas=f"a=cpu:{pages(2)},disk:{pages(64)}",
+    )
+    pool = engine.attach("a", 8)
+    ids = []
+    for _ in range(4):  # 32 pages through 8 slots: most end on disk
+        got = engine.allocate(pool.pool_id, 8)
+        ids += [p for p, _ in got]
+        for p, s in got:
+            pool.segments[0][s].fill_(p % 251)
+        engine.release(pool.pool_id, [p for p, _ in got])
+    assert engine.wait_idle(30)
+    on_disk = [p for p in ids if engine.page_info(pool.pool_id, p).tier is Tier.DISK][:8]
+    assert len(on_disk) == 8
+    slots = engine.acquire(pool.pool_id, on_disk, timeout=20)
+    assert slots is not None
+    for p, s in zip(on_disk, slots, strict=True):
+        assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == p % 251
+    engine.release(pool.pool_id, on_disk)
+    ledger_matches_table(engine)
+
+
+def test_loading_a_prefix_longer_than_the_cpu_quota(make_engine):
+    engine = make_engine(
+        cpu_memory_gb=32 * PAGE / 2**30,
+        disk_admission="always",
+        tenant_quotas=f"a=cpu:{pages(3)},disk:{pages(64)}",
+    )
+    pool = engine.attach("a", 8)
+    mine = keys("a", 8)
+    assert store(engine, pool, mine, 11) == 8
+    assert engine.wait_idle(30)
+    assert set(engine.lookup("a", mine)) <= {Tier.CPU, Tier.DISK}
+    assert loads_exactly(engine, pool, mine, 11)
+    ledger_matches_table(engine)
