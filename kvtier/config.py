@@ -135,7 +135,7 @@ class OffloadConfig:
         "",
         "TENANTS_FILE",
         "Tenant credentials, one 'tenant token' per line ('@admin token': the global Stats "
-        "view); read once at start; empty: tenants are self-declared.",
+        "view); read at start and on SIGHUP; empty: tenants are self-declared.",
         "a file path, not readable by group or others",
     )
     tenant_quotas: str = _opt(

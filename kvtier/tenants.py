@@ -70,7 +70,7 @@ def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:
         queued_offloads=0,
         inflight_bytes=0,
         pinned_pages=sum(p.pinned for p in pools),
-        keyed_pages=sum(1 for name in t.tenant_of.values() if name == tenant),
+        keyed_pages=int(np.count_nonzero(t.pool[mine] == 0)),  # pool 0: stored blocks
         counters=_counters(core, owner),
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -75,14 +76,17 @@ class KVTierServer:
 
     def __init__(self, server: grpc.aio.Server, health: HealthServicer, draining: asyncio.Event,
                  executor: ThreadPoolExecutor, instance: str,
-                 lane: FastLane | None = None) -> None:
+                 lane: FastLane | None = None, tenants: TenantCredentials | None = None) -> None:
         self.server, self.health, self.draining = server, health, draining
         self.executor, self.instance, self.lane = executor, instance, lane
+        self.tenants = tenants
 
     async def start(self) -> None:
         await self.server.start()
         if self.lane is not None:
             await self.lane.start()
+        if self.tenants is not None:  # SIGHUP: read the tenants file again
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
 
     async def set_serving(self) -> None:
         for name in ("", SERVICE):
@@ -106,6 +110,8 @@ def create_server(
     draining = asyncio.Event()
     limit = config.max_message_mb * MIB
     tenants = TenantCredentials.load(config.tenants_file) if config.tenants_file else None
+    if tenants is not None:
+        log.info("tenant credentials checked on every call (%s)", config.tenants_file)
     server = grpc.aio.server(
         interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
         options=[("grpc.max_receive_message_length", limit),
@@ -125,7 +131,7 @@ def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _enable_reflection(server)
     bound = _bind(server, addrs)
-    return KVTierServer(server, health, draining, executor, instance, lane), bound
+    return KVTierServer(server, health, draining, executor, instance, lane, tenants), bound
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

@@ -16,12 +16,14 @@ reply of an Attach that passed this one.
 The file: one ``tenant token`` per line (whitespace-separated; ``#`` starts a comment), and
 ``@admin token`` for the admin credential. It must not be readable or writable by group or
 others; it is read once, at start. Tokens are compared in constant time (every entry is
-compared, whichever matches).
+compared, whichever matches). ``reload()`` (the daemon calls it on SIGHUP) reads it again and
+keeps the old entries, logging why, if the new file fails any check.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import stat
 from collections.abc import Sequence
@@ -30,6 +32,7 @@ from typing import Any
 from kvtier.config import ENV_PREFIX
 from kvtier.errors import ConfigError, PermissionDenied, Unauthenticated
 
+log = logging.getLogger(__name__)
 TOKEN_KEY = "kvtier-tenant-token"
 ADMIN = "@admin"
 VAR = ENV_PREFIX + "TENANTS_FILE"
@@ -38,27 +41,25 @@ VAR = ENV_PREFIX + "TENANTS_FILE"
 class TenantCredentials:
     """Tenant (or ``ADMIN``) -> token; see the module docstring."""
 
-    def __init__(self, tokens: dict[str, bytes]) -> None:
+    def __init__(self, tokens: dict[str, bytes], path: str = "") -> None:
         self._tokens = tokens
+        self.path = path
 
     @classmethod
     def load(cls, path: str) -> TenantCredentials:
         """Read and check the file; ``ConfigError`` naming the variable on any problem."""
+        return cls(_read(path), path)
+
+    def reload(self) -> bool:
+        """Read the file again; on any problem keep the current entries (and say why)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ConfigError(f"{VAR}: cannot open {path!r}: {exc.strerror}") from None
-        with os.fdopen(fd, encoding="utf-8") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            if not stat.S_ISREG(mode):
-                raise ConfigError(f"{VAR}: {path!r} is not a regular file")
-            if mode & 0o077:
-                raise ConfigError(
-                    f"{VAR}: {path!r} has mode {stat.S_IMODE(mode):04o}: group or others may "
-                    "access it; chmod 600 it"
-                )
-            text = fh.read()
-        return cls(_parse(text, path))
+            tokens = _read(self.path)
+        except ConfigError as exc:
+            log.error("tenant credentials not reloaded, the old ones stay: %s", exc)
+            return False
+        self._tokens = tokens  # one reference swap: a call sees the old set or the new
+        log.info("tenant credentials reloaded from %s (%d entries)", self.path, len(tokens))
+        return True
 
     def refuse(self, method: str, request: Any, metadata: Sequence[tuple[str, Any]]) -> \
             Unauthenticated | None:
@@ -86,6 +87,28 @@ class TenantCredentials:
             if hmac.compare_digest(token, known):
                 found = name
         return found
+
+
+def _read(path: str) -> dict[str, bytes]:
+    """The file's entries, after its checks; ``ConfigError`` naming the variable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO can't block
+    except OSError as exc:
+        raise ConfigError(f"{VAR}: cannot open {path!r}: {exc.strerror}") from None
+    with os.fdopen(fd, encoding="utf-8") as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{VAR}: {path!r} is not a regular file")
+        if mode & 0o077:
+            raise ConfigError(
+                f"{VAR}: {path!r} has mode {stat.S_IMODE(mode):04o}: group or others may "
+                "access it; chmod 600 it"
+            )
+        try:
+            text = fh.read()
+        except (UnicodeDecodeError, OSError) as exc:
+            raise ConfigError(f"{VAR}: cannot read {path!r}: {exc}") from None
+    return _parse(text, path)
 
 
 def _parse(text: str, path: str) -> dict[str, bytes]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
+OK, UNAUTH = grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED
 TOKENS = {"a": "token-of-a", "b": "token-of-b", "@admin": "token-of-admin"}
 QUOTAS = f"a=gpu:{8 * PAGE},cpu:{4 * PAGE},disk:{16 * PAGE};b=cpu:{6 * PAGE},disk:{32 * PAGE}"
 
@@ -87,6 +90,27 @@ def exact(c: KVTierClient, att, keys: list[bytes], value: int) -> bool:
         return all(bool((att.tensor[s] == (value + i) % 251).all()) for i, s in enumerate(slots))
     finally:
         c.free(att, [p for p, _ in got])
+
+
+def test_sighup_reloads_the_tenants_file_and_keeps_it_on_a_bad_one(secured: Daemon,
+                                                                   tmp_path: Path) -> None:
+    path = tmp_path / "tenants"
+    path.write_text("a fresh-token-of-a\n@admin token-of-admin\n")
+    secured.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while raw(secured, "Stats", pb.StatsRequest(tenant="a"), "fresh-token-of-a") != OK:
+        assert time.monotonic() < deadline, secured.output()
+        time.sleep(0.1)
+    assert raw(secured, "Stats", pb.StatsRequest(tenant="a"), TOKENS["a"]) == UNAUTH
+    assert raw(secured, "Stats", pb.StatsRequest(tenant="b"), TOKENS["b"]) == UNAUTH
+    path.chmod(0o644)
+    secured.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "not reloaded" not in secured.output():
+        assert time.monotonic() < deadline, secured.output()
+        time.sleep(0.1)
+    assert secured.proc.poll() is None
+    assert raw(secured, "Stats", pb.StatsRequest(tenant="a"), "fresh-token-of-a") == OK
 
 
 def test_group_readable_tenants_file_stops_the_start(tmp_path: Path) -> None:
