@@ -219,6 +219,12 @@ def test_stats_shows_a_tenant_its_own_view(secured: Daemon, tmp_path: Path) -> N
                                capture_output=True, text=True, env=env, timeout=60)
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout)["pools"] == 2
+        a_file = tmp_path / "a-token"
+        a_file.write_text(TOKENS["a"] + "\n")
+        own = subprocess.run([*status, "--tenant", "a", "--tenant-token-file", str(a_file)],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert own.returncode == 0, own.stderr
+        assert (json.loads(own.stdout)["pools"], json.loads(own.stdout)["keyed_pages"]) == (1, 3)
 
 
 def test_attach_over_quota_names_only_the_tenants_own_quota(secured: Daemon) -> None:
