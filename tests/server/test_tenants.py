@@ -246,7 +246,7 @@ def test_a_flooding_tenant_does_not_evict_its_neighbour(secured: Daemon) -> None
         att_a, att_b = a.attach(8), b.attach(6)
         mine = [f"b{i}".encode() for i in range(6)]  # b's CPU quota, exactly
         write(b, att_b, mine, 40)
-        write(a, att_a, [f"a{i}".encode() for i in range(400)], 7)  # 25x the CPU tier
+        write(a, att_a, [f"a{i}".encode() for i in range(2600)], 7)  # the issue: 160x the tier
         assert b.lookup(mine) == [Tier.CPU] * 6
         assert exact(b, att_b, mine, 40)
         view = a.stats()
