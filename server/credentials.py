@@ -76,7 +76,7 @@ class TenantCredentials:
             return None  # the admin reads any view, and only that
         if method.endswith("/Stats") and not tenant:
             return PermissionDenied("the daemon-wide Stats view needs the admin credential")
-        if who != tenant:
+        if who != tenant or who == ADMIN:  # the admin is no tenant, even one named "@admin"
             return PermissionDenied(f"the token is not valid for tenant {tenant[:128]!r}")
         return None
 

@@ -81,3 +81,4 @@ def test_the_rule(tmp_path):
     assert code("Stats", whole, None) == unauth
     assert code("Detach", pb.DetachRequest(pool=pb.PoolRef(tenant="")), "tok-a") == denied
     assert code("Attach", object(), "tok-a") == denied  # a request naming no tenant: refused
+    assert code("Attach", pb.AttachRequest(tenant="@admin"), "tok-admin") == denied
