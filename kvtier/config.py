@@ -144,6 +144,11 @@ class OffloadConfig:
         "Per-tenant byte quotas per tier; '*' is the entry for tenants not named; empty: none.",
         "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE",
     )
+    # --- event streams (server) ---------------------------------------------------------------
+    max_watches: int = _opt(
+        16, "MAX_WATCHES",
+        "Most open WatchEvents streams per tenant (RESOURCE_EXHAUSTED beyond).", "1..1024",
+    )
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -268,6 +273,7 @@ def _validate(c: OffloadConfig) -> None:
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
+        ("max_watches", 1 <= c.max_watches <= 1024),
     ]
     for name, ok in checks:
         if not ok:

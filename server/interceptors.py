@@ -1,6 +1,10 @@
-"""One server interceptor at the door of every call: drain gate, token check, tenant
-credentials (``credentials.py``, when configured), RPC metrics.
+"""One server interceptor at the door of every call: drain gate, token check, RPC metrics,
+undecodable request bodies, and tenant credentials (``credentials.py``, when configured).
 
+gRPC parses a request before any handler runs, and a body that is not the method's message would
+end the call UNKNOWN with the parser's exception text. The wrapped deserializer turns it into a
+:class:`Malformed` marker instead, and the call ends INVALID_ARGUMENT "request: malformed
+<Message>" (after the drain and token checks) without touching the servicer.
 Health calls pass untouched (probes must work while draining and without a token).
 """
 
@@ -18,6 +22,30 @@ from .credentials import TenantCredentials
 from .errors import status_for
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
+
+
+class Malformed:
+    """Stands for a request body that did not parse as ``message`` (a message type name)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserialize`` answering :class:`Malformed` instead of raising on a bad body."""
+    if deserialize is None:
+        return None
+    name = getattr(getattr(deserialize, "__self__", None), "__name__", "request")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception:  # DecodeError, bad UTF-8 in a string field, ...: never the text
+            return Malformed(name)
+
+    return parse
 
 
 class Gate(grpc.aio.ServerInterceptor):
@@ -39,14 +67,20 @@ class Gate(grpc.aio.ServerInterceptor):
             return handler
         return _wrap(handler, _Call(self, method.rsplit("/", 1)[-1], method))
 
-    async def admit(self, method: str, ctx: Any, request: Any) -> None:
+    async def admit(self, method: str, ctx: Any) -> None:
         if self._draining.is_set():
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining; retry later")
-        metadata = ctx.invocation_metadata() or ()
-        if not self._auth.allows(method, ctx.peer(), metadata):
+        if not self._auth.allows(method, ctx.peer(), ctx.invocation_metadata() or ()):
             await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    async def parsed(self, req: Any, ctx: Any) -> None:
+        if isinstance(req, Malformed):
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed {req.message}")
+
+    async def credentials(self, method: str, ctx: Any, req: Any) -> None:
+        """With a tenants file: the call's tenant token must be the named tenant's."""
         if self._tenants is not None:
-            refused = self._tenants.refuse(method, request, metadata)
+            refused = self._tenants.refuse(method, req, ctx.invocation_metadata() or ())
             if refused is not None:
                 await ctx.abort(*status_for(refused))
 
@@ -69,7 +103,9 @@ class _Call:
     async def unary(self, inner: Callable[..., Any], req: Any, ctx: Any) -> Any:
         start, failed = time.perf_counter(), True
         try:
-            await self.gate.admit(self.method, ctx, req)
+            await self.gate.admit(self.method, ctx)
+            await self.gate.parsed(req, ctx)
+            await self.gate.credentials(self.method, ctx, req)
             result = await inner(req, ctx)
             failed = False
             return result
@@ -79,7 +115,9 @@ class _Call:
     async def stream(self, inner: Callable[..., Any], req: Any, ctx: Any) -> AsyncIterator[Any]:
         start, failed = time.perf_counter(), True
         try:
-            await self.gate.admit(self.method, ctx, req)
+            await self.gate.admit(self.method, ctx)
+            await self.gate.parsed(req, ctx)
+            await self.gate.credentials(self.method, ctx, req)
             out = inner(req, ctx)
             if hasattr(out, "__aiter__"):
                 async for item in out:
@@ -92,8 +130,10 @@ class _Call:
 
 
 def _wrap(h: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
-    ser = {"request_deserializer": h.request_deserializer,
-           "response_serializer": h.response_serializer}
+    """The same method with admit/observe around it; unary requests parse tolerantly."""
+    raw = h.request_deserializer
+    deserialize = raw if h.request_streaming else tolerant(raw)
+    ser = {"request_deserializer": deserialize, "response_serializer": h.response_serializer}
     if h.unary_unary:
         inner_uu = h.unary_unary
 
