@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.errors import InvalidArgument
 from kvtier.types import Direction, Tier
+from kvtier.validate import check_name
 
 TIERS = {"gpu": Tier.GPU, "cpu": Tier.CPU, "disk": Tier.DISK}
 DEFAULT = "*"
@@ -69,6 +71,11 @@ def parse_quotas(text: str) -> dict[str, Quota]:
         tenant = tenant.strip()
         if not eq or not tenant or tenant in out:
             raise ValueError(f"bad or repeated entry {entry!r}")
+        if tenant != DEFAULT:
+            try:
+                check_name("tenant", tenant)
+            except InvalidArgument:
+                raise ValueError(f"not a tenant name: {tenant!r}") from None
         sizes: dict[str, int] = {}
         for part in spec.split(","):
             tier, colon, size = part.partition(":")

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.config import ENV_PREFIX
-from kvtier.errors import ConfigError, PermissionDenied, Unauthenticated
+from kvtier.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
+from kvtier.validate import check_name
 
 log = logging.getLogger(__name__)
 TOKEN_KEY = "kvtier-tenant-token"
@@ -121,6 +122,9 @@ def _parse(text: str, path: str) -> dict[str, bytes]:
         if len(body) != 2:
             raise ConfigError(f"{VAR}: {path!r} line {number}: expected 'tenant token'")
         name, token = body[0], body[1].encode()
+        if name != ADMIN and not is_name(name):
+            raise ConfigError(f"{VAR}: {path!r} line {number}: not a tenant name (letters, "
+                              "digits and ._:@/-, starting with a letter or digit)")
         if name in tokens or token in seen:
             raise ConfigError(f"{VAR}: {path!r} line {number}: repeated tenant or token")
         tokens[name] = token
@@ -128,6 +132,15 @@ def _parse(text: str, path: str) -> dict[str, bytes]:
     if not tokens:
         raise ConfigError(f"{VAR}: {path!r} lists no tenant")
     return tokens
+
+
+def is_name(name: str) -> bool:
+    """The engine's tenant-name rule: an entry that breaks it could never be used."""
+    try:
+        check_name("tenant", name)
+    except InvalidArgument:
+        return False
+    return True
 
 
 def _tenant_of(request: Any) -> str:

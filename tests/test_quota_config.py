@@ -22,7 +22,7 @@ def test_parse_quotas_entries_units_and_default():
 @pytest.mark.parametrize(
     "text",
     ["a", "a=", "=cpu:1G", "a=ram:1G", "a=cpu:1G,cpu:2G", "a=cpu:1G;a=disk:1G", "a=cpu:-1",
-     "a=cpu:1X", "a=cpu"],
+     "a=cpu:1X", "a=cpu", "-a=cpu:1G", "a b=cpu:1G"],
 )
 def test_bad_quotas_are_a_config_error_naming_the_variable(text):
     with pytest.raises(ValueError):

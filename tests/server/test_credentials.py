@@ -36,6 +36,8 @@ def write(tmp_path: Path, text: str, mode: int = 0o600) -> str:
         ("a tok-a\na tok-b\n", 0o600, "line 2: repeated"),
         ("a tok-a\nb tok-a\n", 0o600, "line 2: repeated"),
         ("# nobody\n", 0o600, "lists no tenant"),
+        ("-a tok-a\n", 0o600, "line 1: not a tenant name"),
+        ("admin! tok-a\n", 0o600, "line 1: not a tenant name"),
     ],
 )
 def test_bad_tenants_files_are_refused_naming_the_variable(tmp_path, text, mode, says):
