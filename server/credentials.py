@@ -15,13 +15,18 @@ reply of an Attach that passed this one.
 
 The file: one ``tenant token`` per line (whitespace-separated; ``#`` starts a comment), and
 ``@admin token`` for the admin credential. It must not be readable or writable by group or
-others; it is read once, at start. Tokens are compared in constant time (every entry is
-compared, whichever matches). ``reload()`` (the daemon calls it on SIGHUP) reads it again and
+others; it is read at start. ``reload()`` (the daemon calls it on SIGHUP) reads it again and
 keeps the old entries, logging why, if the new file fails any check.
+
+Tokens are kept and compared as SHA-256 digests: a presented token is hashed once, its holder
+found by digest and confirmed with ``hmac.compare_digest`` (fixed length: the time taken says
+nothing about a token's length or how much of it matched; one lookup whatever the number of
+tenants).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -43,7 +48,7 @@ class TenantCredentials:
     """Tenant (or ``ADMIN``) -> token; see the module docstring."""
 
     def __init__(self, tokens: dict[str, bytes], path: str = "") -> None:
-        self._tokens = tokens
+        self._holders = _by_digest(tokens)
         self.path = path
 
     @classmethod
@@ -58,7 +63,7 @@ class TenantCredentials:
         except ConfigError as exc:
             log.error("tenant credentials not reloaded, the old ones stay: %s", exc)
             return False
-        self._tokens = tokens  # one reference swap: a call sees the old set or the new
+        self._holders = _by_digest(tokens)  # one reference swap: a call sees old or new
         log.info("tenant credentials reloaded from %s (%d entries)", self.path, len(tokens))
         return True
 
@@ -82,12 +87,21 @@ class TenantCredentials:
         return None
 
     def _holder(self, token: bytes) -> str | None:
-        """Who holds ``token``: every entry is compared, so timing says nothing of which."""
-        found = None
-        for name, known in self._tokens.items():
-            if hmac.compare_digest(token, known):
-                found = name
-        return found
+        """Who holds ``token`` (see the module docstring), ``None``: nobody."""
+        digest = hashlib.sha256(token).digest()
+        entry = self._holders.get(digest)
+        if entry is None or not hmac.compare_digest(digest, entry[1]):
+            return None
+        return entry[0]
+
+
+def _by_digest(tokens: dict[str, bytes]) -> dict[bytes, tuple[str, bytes]]:
+    """SHA-256 of each token -> (holder, that digest)."""
+    out = {}
+    for name, token in tokens.items():
+        digest = hashlib.sha256(token).digest()
+        out[digest] = (name, digest)
+    return out
 
 
 def _read(path: str) -> dict[str, bytes]:
