@@ -12,11 +12,13 @@ Contract:
       slots of moves in flight into the tier: charged when the move is prepared, discharged
       when it completes or fails). ``used(tier)`` = settled + incoming: what the tenant holds.
       Every update is one ``bincount`` per batch, never Python per page.
-    * ``Shares`` is the rule, kept out of the policies (they only name victims): a tenant's
-      ``room`` in a tier is its quota minus its use (unbounded without a quota); ``evictable``
-      is the per-tenant mask of pages other tenants may displace: tenants over their quota, and
-      every tenant without one. A tenant within its quota is never displaced for a tenant over
-      its own (an over-quota tenant is capped and makes room from its own pages first).
+    * The share rule, kept out of the policies (they only name victims; ``kvtier.cascade``
+      applies it): a tenant's ``room`` in a tier is its quota minus its use (``None`` without a
+      quota); ``evictable`` is the per-tenant mask of pages other tenants may displace: tenants
+      over their quota, and every tenant without one. A tenant within its quota is never
+      displaced for another (one at its quota is capped and makes room from its own pages).
+    * ``quota(tenant)`` reads the setting without assigning an owner id (a refused call can't
+      grow the ledger); ids are assigned when a tenant's first page is created.
     * It also keeps the per-tenant counters of a tenant's Stats view (moves, hits, evictions,
       drops), arrays by owner id, updated per batch.
 """
