@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from kvtier.errors import ConfigError
 from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 
 from .auth import TokenAuth
+from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
@@ -82,14 +84,17 @@ class KVTierServer:
 
     def __init__(self, server: grpc.aio.Server, health: HealthServicer, draining: asyncio.Event,
                  executor: ThreadPoolExecutor, instance: str,
-                 lane: FastLane | None = None) -> None:
+                 lane: FastLane | None = None, tenants: TenantCredentials | None = None) -> None:
         self.server, self.health, self.draining = server, health, draining
         self.executor, self.instance, self.lane = executor, instance, lane
+        self.tenants = tenants
 
     async def start(self) -> None:
         await self.server.start()
         if self.lane is not None:
             await self.lane.start()
+        if self.tenants is not None:  # SIGHUP: read the tenants file again
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
 
     async def set_serving(self) -> None:
         for name in ("", SERVICE):
@@ -112,8 +117,11 @@ def create_server(
     addrs, token = listen_addresses(config)
     draining = asyncio.Event()
     limit = config.max_message_mb * MIB
+    tenants = TenantCredentials.load(config.tenants_file) if config.tenants_file else None
+    if tenants is not None:
+        log.info("tenant credentials checked on every call (%s)", config.tenants_file)
     server = grpc.aio.server(
-        interceptors=[Gate(TokenAuth(token), draining, observe)],
+        interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
     )
@@ -132,7 +140,7 @@ def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _enable_reflection(server)
     bound = _bind(server, addrs)
-    return KVTierServer(server, health, draining, executor, instance, lane), bound
+    return KVTierServer(server, health, draining, executor, instance, lane, tenants), bound
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

@@ -1,5 +1,5 @@
-"""One server interceptor at the door of every call: drain gate, token check, RPC metrics, and
-undecodable request bodies.
+"""One server interceptor at the door of every call: drain gate, token check, RPC metrics,
+undecodable request bodies, and tenant credentials (``credentials.py``, when configured).
 
 gRPC parses a request before any handler runs, and a body that is not the method's message would
 end the call UNKNOWN with the parser's exception text. The wrapped deserializer turns it into a
@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 
 from .auth import HEALTH_PREFIX, TokenAuth
+from .credentials import TenantCredentials
+from .errors import status_for
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
 
@@ -47,10 +49,12 @@ def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 
 class Gate(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None) -> None:
+    def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None,
+                 tenants: TenantCredentials | None = None) -> None:
         self._auth = auth
         self._draining = draining
         self._observe = observe
+        self._tenants = tenants
 
     async def intercept_service(
         self,
@@ -73,6 +77,13 @@ class Gate(grpc.aio.ServerInterceptor):
         if isinstance(req, Malformed):
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed {req.message}")
 
+    async def credentials(self, method: str, ctx: Any, req: Any) -> None:
+        """With a tenants file: the call's tenant token must be the named tenant's."""
+        if self._tenants is not None:
+            refused = self._tenants.refuse(method, req, ctx.invocation_metadata() or ())
+            if refused is not None:
+                await ctx.abort(*status_for(refused))
+
     def done(self, name: str, ctx: Any, start: float, failed: bool) -> None:
         if self._observe is None:
             return
@@ -94,6 +105,7 @@ class _Call:
         try:
             await self.gate.admit(self.method, ctx)
             await self.gate.parsed(req, ctx)
+            await self.gate.credentials(self.method, ctx, req)
             result = await inner(req, ctx)
             failed = False
             return result
@@ -105,6 +117,7 @@ class _Call:
         try:
             await self.gate.admit(self.method, ctx)
             await self.gate.parsed(req, ctx)
+            await self.gate.credentials(self.method, ctx, req)
             out = inner(req, ctx)
             if hasattr(out, "__aiter__"):
                 async for item in out:

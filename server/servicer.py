@@ -213,8 +213,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     # --- operations -------------------------------------------------------------------------
     async def Stats(self, req: pb.StatsRequest, ctx: Ctx) -> pb.StatsReply:
-        def call() -> pb.StatsReply:
-            return convert.stats_reply(self._engine.stats(), self._version, self._tenancy.instance)
+        def call() -> pb.StatsReply:  # a tenant's own view; empty tenant: the daemon's
+            tenant = validate.tenant(req.tenant) if req.tenant else None
+            stats = self._engine.stats(tenant)
+            return convert.stats_reply(stats, self._version, self._tenancy.instance)
 
         return await self._run(ctx, call)
 

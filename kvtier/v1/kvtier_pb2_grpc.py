@@ -122,7 +122,8 @@ class KVTierServicer:
     def Attach(self, request, context):
         """Creates a daemon-allocated page pool for one engine. Returns the handle the engine maps
         (CUDA IPC on a GPU, a /dev/shm file in CPU mode). INVALID_ARGUMENT: empty tenant, bad sizes,
-        device not the daemon's. RESOURCE_EXHAUSTED: the GPU pool budget can't hold it.
+        device not the daemon's. RESOURCE_EXHAUSTED: the tenant's GPU quota or the daemon's GPU pool
+        budget can't hold it (the message never says what other tenants hold or what is free).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -240,7 +241,8 @@ class KVTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """A snapshot of the daemon's tiers, queues and counters.
+        """A snapshot of the caller tenant's own pools, pages per tier and counters; with an empty
+        tenant, of the whole daemon (with tenant credentials on, the admin token only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
