@@ -3,7 +3,8 @@
 ``prepare(config, addrs) -> locks`` runs, in this order:
   1. the device exists (``--device cuda`` on a machine where torch sees no GPU);
   2. the disk directory is a writable directory of a real filesystem (not a file, not under
-     /proc or /sys, not read-only: a probe file is written and removed);
+     /proc or /sys, not read-only: a probe file is written and removed), and the tenants file
+     (when set) is private and well formed — before the engine spends time starting;
   3. every unix socket's directory exists or can be created, and the path fits a socket address;
   4. the instance locks (``pidlock``): one per unix socket, one in the disk directory;
   5. the metrics port and every TCP listener can be bound.
@@ -26,6 +27,7 @@ from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
 
 from .app import socket_dir
+from .credentials import TenantCredentials
 from .pidlock import PidLock, hold
 
 PSEUDO_FILESYSTEMS = ("/proc", "/sys")
@@ -50,6 +52,7 @@ def prepare(config: OffloadConfig, addrs: list[str]) -> list[PidLock]:
     """Every check above; returns the locks, to hold until the daemon exits."""
     check_device(config)
     check_disk(config)
+    check_tenants(config)
     unix = [a[len("unix://"):] for a in addrs if a.startswith("unix://")]
     for path in unix:
         check_socket_dir(path)
@@ -100,6 +103,12 @@ def check_disk(config: OffloadConfig) -> None:
             os.unlink(probe)
     except OSError as exc:
         fail("disk_path", f"{path} is not a writable directory: {exc.strerror}")
+
+
+def check_tenants(config: OffloadConfig) -> None:
+    """The tenants file passes every check the daemon applies when it loads it."""
+    if config.tenants_file:
+        TenantCredentials.load(config.tenants_file)  # ConfigError naming the variable
 
 
 def check_socket_dir(path: str) -> None:

@@ -118,7 +118,10 @@ def test_group_readable_tenants_file_stops_the_start(tmp_path: Path) -> None:
     argv = serve_args(tmp_path, disk=tmp_path / "disk")
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "KVCACHED_OFFLOAD_TENANTS_FILE" in done.stderr and "0640" in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines  # one line from the start-up checks, not a traceback
+    assert "KVCACHED_OFFLOAD_TENANTS_FILE" in lines[0] and "0640" in lines[0]
+    assert "serving" not in done.stdout + done.stderr
 
 
 def test_every_call_needs_the_tenants_own_token(secured: Daemon) -> None:
