@@ -65,7 +65,7 @@ class SharedMemory:
         self.fd = memfd.create(nbytes, name)
         try:
             self.tensor = memfd.map_shared(self.fd, nbytes)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RuntimeError):
             os.close(self.fd)
             raise
 

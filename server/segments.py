@@ -75,7 +75,7 @@ def _open_memfds(segments: Sequence[Any], tenant: str, tickets: Tickets
             memfd.check(fd, need, field)
             try:
                 flat = memfd.map_shared(fd, need)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RuntimeError) as exc:
                 raise FailedPrecondition(f"{field}: cannot map ({exc})") from None
             views.append(ipc.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride,
                                   seg.offset))

@@ -88,7 +88,7 @@ class DevicePool:
             fd = memfd.create(num_slots * page_size, "kvtier-pool")
             try:
                 flat = memfd.map_shared(fd, num_slots * page_size)
-            except (OSError, ValueError):
+            except (OSError, ValueError, RuntimeError):
                 os.close(fd)
                 raise
             return cls([flat.view(num_slots, page_size)], fd=fd, owned=True)

@@ -17,7 +17,6 @@ Contract:
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import stat
 
@@ -58,8 +57,10 @@ def check(fd: int, need: int, field: str) -> None:
 
 
 def map_shared(fd: int, nbytes: int) -> torch.Tensor:
-    """Map the first ``nbytes`` of ``fd`` shared and writable (the tensor keeps the mapping)."""
+    """Map the first ``nbytes`` of ``fd`` shared and writable (the tensor keeps the mapping).
+
+    Maps through ``/proc/self/fd`` so that no descriptor stays open per mapping (``mmap.mmap``
+    keeps a duplicate for each: thousands of registered segments would exhaust the limit)."""
     if nbytes <= 0:
         raise ValueError(f"cannot map {nbytes} bytes")
-    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
-import torch
-from kvtier_daemon_fixture import PAGE, Daemon
-
 from kvtier.client.ipc import SharedMemory
+from kvtier_daemon_fixture import PAGE, Daemon
 
 SLOTS = 4
 

@@ -1,0 +1,160 @@
+"""Leases: a pool belongs to its client's session; the session socket survives hostile clients.
+
+Clients here are real processes killed with SIGKILL, and raw sockets that send garbage,
+nothing, descriptor floods, or deposit memory and hang up.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from kvtier.client.fdpass import DEPOSIT, REQUEST, Session
+from kvtier.client.ipc import SharedMemory
+from kvtier_daemon_fixture import PAGE, Daemon, daemon_env
+
+from kvtier.errors import FailedPrecondition
+from kvtier.types import Tier
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+CLIENT = """
+import sys, time
+from kvtier.client import connect
+c = connect(sys.argv[1], tenant="chat")
+a, b = c.attach(4), c.attach(4)
+(page, slot), = c.allocate(a, 1)
+a.tensor[slot].fill_(42)
+assert c.store(a, [b"turn-1"], [slot]) == 1
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def pools(d: Daemon) -> int:
+    with d.client("observer") as c:
+        return int(c.stats().pools)
+
+
+def wait_pools(d: Daemon, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pools(d) != n:
+        assert time.monotonic() < deadline, f"{pools(d)} pools attached, expected {n}"
+        time.sleep(0.1)
+
+
+def with_lease(spawn: Callable[..., Daemon], lease: str) -> Daemon:
+    return spawn(env=daemon_env(KVCACHED_OFFLOAD_LEASE_S=lease))
+
+
+def test_a_killed_clients_pools_are_detached_after_the_lease_keyed_pages_stay(
+        spawn: Callable[..., Daemon]) -> None:
+    d = with_lease(spawn, "2")
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, d.address], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert pools(d) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert pools(d) == 2  # the grace: not detached at once
+    wait_pools(d, 0)
+    with d.client("chat") as c:  # the stored prefix outlived the pool that stored it
+        assert c.lookup([b"turn-1"]) == [Tier.CPU]
+        att = c.attach(4)
+        (_page, slot), = c.allocate(att, 1) or []
+        assert c.load(att, [b"turn-1"], [slot]) == 1
+        assert att.tensor is not None and bool((att.tensor[slot] == 42).all())
+
+
+def test_a_live_client_keeps_its_pools_and_close_ends_the_lease(
+        spawn: Callable[..., Daemon]) -> None:
+    d = with_lease(spawn, "0")
+    c = d.client("t")
+    att = c.attach(4)
+    time.sleep(1.0)  # far past the lease: a live session keeps its pool
+    assert c.allocate(att, 1) is not None and pools(d) == 1
+    c.close()
+    wait_pools(d, 0)
+
+
+def test_a_departed_clients_pool_cannot_be_taken_over_with_its_ticket(
+        spawn: Callable[..., Daemon]) -> None:
+    d = with_lease(spawn, "0")
+    with grpc.insecure_channel(d.address) as ch:
+        reply = pb_grpc.KVTierStub(ch).Attach(pb.AttachRequest(tenant="t", num_pages=4))
+    path = d.address[len("unix://"):] + ".fd"
+    first = Session(path)
+    os.close(first.redeem(reply.lease.ticket, "t"))
+    first.close()  # the client leaves
+    wait_pools(d, 0)
+    with pytest.raises(FailedPrecondition):  # single use: nobody gets the memory again
+        Session(path).redeem(reply.lease.ticket, "t")
+
+
+def fd_count(d: Daemon) -> int:
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def wait_fds(d: Daemon, n: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while fd_count(d) > n:
+        assert time.monotonic() < deadline, f"daemon holds {fd_count(d)} descriptors, not {n}"
+        time.sleep(0.1)
+
+
+def raw(d: Daemon) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(d.address[len("unix://"):] + ".fd")
+    return s
+
+
+def test_hostile_session_clients_cost_nothing_and_change_nothing(
+        spawn: Callable[..., Daemon]) -> None:
+    d = with_lease(spawn, "0")
+    with d.client("owner") as owner:
+        att = owner.attach(4)
+        got = owner.allocate(att, 1)
+        assert got is not None and att.tensor is not None
+        att.tensor[got[0][1]].fill_(9)
+        time.sleep(0.5)
+        base = fd_count(d)
+        mem = SharedMemory(PAGE)
+        frame = REQUEST.pack(DEPOSIT, 1, bytes(32)) + b"t"
+        fds = array.array("i", [mem.fd])
+        # 1. garbage: the connection is closed
+        s = raw(d)
+        s.sendall(b"\xff" * 64)
+        assert s.recv(64) == b""
+        # 2. nothing at all, then gone; 3. deposits, then gone without registering
+        quiet, depositor = raw(d), raw(d)
+        for _ in range(10):
+            depositor.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            assert depositor.recv(33)[0] == 0
+        # 4. a descriptor flood in one message: the connection is closed
+        flood = raw(d)
+        many = array.array("i", [mem.fd] * 64)
+        flood.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, many)])
+        assert flood.recv(64) in (b"", bytes([2]) + bytes(32))
+        for sock in (s, quiet, depositor, flood):
+            sock.close()
+        wait_fds(d, base)  # every deposited descriptor closed again
+        # 5. a half frame, then hang up
+        half = raw(d)
+        half.sendall(frame[:10])
+        half.close()
+        wait_fds(d, base)
+        mem.close()
+        slots = owner.acquire(att, [got[0][0]])  # the owner's pool and bytes are untouched
+        assert slots is not None and bool((att.tensor[slots[0]] == 9).all())
+        assert pools(d) == 1 and d.proc.poll() is None
