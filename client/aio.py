@@ -110,6 +110,8 @@ class AsyncKVTierClient:
 
     async def detach(self, att: Attachment) -> None:
         await self._do(ops.detach(self._ref(att)))
+        if self._session is not None and att.lease:
+            self._session.forget(att.lease)
 
     async def allocate(self, att: Attachment, n: int, *, priority: float | None = None,
                        sequence_length: int | None = None) -> list[tuple[int, int]] | None:

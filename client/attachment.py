@@ -35,6 +35,7 @@ class Attachment:
     request: Any = field(repr=False)  # the Attach/Register request, for reattach()
     keepalive: list[Any] = field(default_factory=list, repr=False)
     memfds: list[int] = field(default_factory=list, repr=False)  # Register's fds, for reattach()
+    lease: bytes = field(default=b"", repr=False)  # the lease ticket (a secret: never log it)
     fast_lane: FastLaneClient | None = field(default=None, repr=False)
 
 
@@ -55,6 +56,7 @@ def from_reply(reply: pb.AttachReply, tenant: str, request: Any, *, register: bo
         pool_id=reply.pool_id, tenant=tenant, page_size=reply.page_size,
         num_slots=reply.num_slots, instance=reply.instance, device=h.device, tensor=tensor,
         request=request, fast_lane=_lane(reply),
+        lease=reply.lease.ticket if session is not None else b"",
     )
 
 

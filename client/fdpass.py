@@ -4,8 +4,11 @@ A ``Session`` is one connection a client keeps open for its lifetime: pools whos
 redeems belong to it, and the daemon detaches them a grace period after it closes (the client
 exited). ``redeem(ticket, tenant)`` returns the pool's memfd (or -1 for a CUDA pool);
 ``deposit(fd, tenant)`` hands over a sealed memfd for Register and returns its ticket. Both raise
-``FailedPrecondition`` when the daemon refuses and ``Unavailable`` when the socket fails.
-Thread-safe: one request at a time. Tickets are secrets: never log them.
+``FailedPrecondition`` when the daemon refuses and ``Unavailable`` when the socket fails. When
+the connection broke (a timeout, a daemon hiccup), the next call reconnects and first renews
+every lease redeemed before (``forget(ticket)`` after a Detach), so pools survive a reconnect
+within the daemon's grace. Thread-safe: one request at a time. Tickets are secrets: never log
+them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from kvtier.errors import FailedPrecondition, Unavailable
 TICKET_BYTES = 32
 REQUEST = struct.Struct(f"<BB{TICKET_BYTES}s")
 REPLY = struct.Struct(f"<B{TICKET_BYTES}s")
-REDEEM, DEPOSIT = 1, 2
+REDEEM, DEPOSIT, RENEW = 1, 2, 3
 OK, DENIED, REFUSED = 0, 1, 2
 
 
@@ -31,6 +34,7 @@ class Session:
         self.path, self._timeout = path, timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._leases: dict[bytes, str] = {}  # redeemed tickets -> tenant, to renew
 
     def __repr__(self) -> str:
         return f"Session({self.path!r}, open={self._sock is not None})"
@@ -39,7 +43,14 @@ class Session:
         status, _, fd = self._call(REDEEM, ticket, tenant, -1)
         if status != OK:
             raise FailedPrecondition("lease ticket refused (expired, used or another tenant's)")
+        with self._lock:
+            self._leases[ticket] = tenant
         return fd
+
+    def forget(self, ticket: bytes) -> None:
+        """The pool was detached: don't renew its lease."""
+        with self._lock:
+            self._leases.pop(ticket, None)
 
     def deposit(self, fd: int, tenant: str) -> bytes:
         status, ticket, extra = self._call(DEPOSIT, bytes(TICKET_BYTES), tenant, fd)
@@ -84,11 +95,23 @@ class Session:
             sock.settimeout(self._timeout)
             try:
                 sock.connect(self.path)
+                self._renew(sock)
             except OSError:
                 sock.close()
                 raise
             self._sock = sock
         return self._sock
+
+    def _renew(self, sock: socket.socket) -> None:
+        """On a new connection: take back the leases of the old one (the caller holds the lock)."""
+        for ticket, tenant in list(self._leases.items()):
+            name = tenant.encode()
+            sock.sendall(REQUEST.pack(RENEW, len(name), ticket) + name)
+            data, fds = _recv_reply(sock)
+            for fd in fds:
+                _close(fd)
+            if data[0] != OK:  # the pool is gone (reaped, detached, or a restarted daemon)
+                del self._leases[ticket]
 
 
 def _recv_reply(sock: socket.socket) -> tuple[bytes, list[int]]:

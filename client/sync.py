@@ -100,6 +100,8 @@ class KVTierClient:
 
     def detach(self, att: Attachment) -> None:
         self._do(ops.detach(self._ref(att)))
+        if self._session is not None and att.lease:
+            self._session.forget(att.lease)
 
     # --- pages ------------------------------------------------------------------------------
     def allocate(self, att: Attachment, n: int, *, priority: float | None = None,

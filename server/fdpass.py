@@ -9,10 +9,13 @@ Frames (little endian), one request then one reply, any number per connection:
 ``op`` 1 REDEEM: the ticket of an Attach/Register reply. OK: the pool is now this session's; for
 a CPU-mode pool the reply carries its sealed memfd (SCM_RIGHTS). ``op`` 2 DEPOSIT: the request
 carries exactly one descriptor (a sealed memfd to Register); OK: the reply's ticket names it in
-``Segment.memfd_ticket``. ``status``: 0 OK, 1 DENIED (unknown, used, expired or another tenant's
-ticket), 2 REFUSED (a deposit without exactly one descriptor, or too many unredeemed deposits).
-Any other op, a bad tenant or a descriptor flood closes the connection; descriptors that come
-with a frame that does not use them are closed. Tickets never appear in logs.
+``Segment.memfd_ticket``. ``op`` 3 RENEW: a ticket this client redeemed before, sent on a new
+connection after its old one broke: OK when the pool's session closed less than the grace ago
+(the pool now belongs to this session; no memory comes with it). ``status``: 0 OK, 1 DENIED
+(unknown, used, expired or another tenant's ticket), 2 REFUSED (a deposit without exactly one
+descriptor, or too many unredeemed deposits). Any other op, a bad tenant or a descriptor flood
+closes the connection; descriptors that come with a frame that does not use them are closed.
+Tickets never appear in logs.
 
 Leases: when a session's connection closes (the client exited, ``kill -9`` included) its pools
 are detached after ``lease_s`` (0: at once); keyed pages stay. A connection that sends garbage,
@@ -39,7 +42,7 @@ from .tickets import TICKET_BYTES, Tickets
 log = logging.getLogger(__name__)
 REQUEST = struct.Struct(f"<BB{TICKET_BYTES}s")
 REPLY = struct.Struct(f"<B{TICKET_BYTES}s")
-REDEEM, DEPOSIT = 1, 2
+REDEEM, DEPOSIT, RENEW = 1, 2, 3
 OK, DENIED, REFUSED = 0, 1, 2
 MAX_TENANT = 128
 MAX_CONNS = 1024
@@ -78,6 +81,7 @@ class FdExchange:
 
     def forget(self, pool_id: int) -> None:
         self.leases.forget(pool_id)
+        self.tickets.forget_pool(pool_id)
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -149,7 +153,7 @@ class FdExchange:
             return False
         op, tlen, ticket = REQUEST.unpack_from(conn.buf)
         end = REQUEST.size + tlen
-        if op not in (REDEEM, DEPOSIT) or not 0 < tlen <= MAX_TENANT:
+        if op not in (REDEEM, DEPOSIT, RENEW) or not 0 < tlen <= MAX_TENANT:
             self._close(conn)
             return False
         if len(conn.buf) < end:
@@ -174,6 +178,10 @@ class FdExchange:
             got = self.tickets.deposit(tenant, fds[0], session)
             return (OK, got, -1) if got is not None else (REFUSED, bytes(TICKET_BYTES), -1)
         _close_all(fds)
+        if op == RENEW:
+            pool = self.tickets.renewable(ticket, tenant)
+            ok = pool is not None and self.leases.rebind(pool, session)
+            return (OK if ok else DENIED), bytes(TICKET_BYTES), -1
         redeemed = self.tickets.redeem(ticket, tenant)
         if redeemed is None:
             return DENIED, bytes(TICKET_BYTES), -1
@@ -220,6 +228,7 @@ class FdExchange:
 
     def _reap(self, pools: list[int]) -> None:
         for pool_id in self.leases.reap(pools):
+            self.tickets.forget_pool(pool_id)
             self._detach_later(pool_id, "its client's session closed")
 
     def _sweep(self) -> None:

@@ -8,6 +8,8 @@ Contract:
     * ``bind(pool_id, session) -> bool``: the pool now belongs to ``session``; ``False`` when that
       session has already closed (the pool is then orphaned at once: the caller reaps it later).
     * ``close(session) -> list[pool_id]``: the session is gone; its pools are now orphaned.
+    * ``rebind(pool_id, session) -> bool``: a live ``session`` takes over a pool whose session
+      closed and that was not reaped yet (a client that reconnected within the grace).
     * ``reap(pools) -> list[pool_id]``: of ``pools``, those still orphaned, which stop being
       tracked (the caller detaches them).
     * ``forget(pool_id)``: the pool was detached by its client; nothing more to do for it.
@@ -37,6 +39,16 @@ class Leases:
         with self._lock:
             self._holder[pool_id] = session
             return session in self._live
+
+    def rebind(self, pool_id: int, session: int) -> bool:
+        with self._lock:
+            holder = self._holder.get(pool_id)
+            if holder is None or session not in self._live:
+                return False
+            if holder != session and holder in self._live:
+                return False  # held by another live session
+            self._holder[pool_id] = session
+            return True
 
     def close(self, session: int) -> list[int]:
         with self._lock:

@@ -111,12 +111,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     def _lease(self, reply: pb.AttachReply, tenant: str, pool_id: int, fd: int,
                session: int | None) -> None:
-        """Bind the pool to the session that brought its memory, else issue its lease ticket."""
+        """Bind the pool to the session that brought its memory (if any); issue its lease ticket
+        (redeemed for the memfd in CPU mode; kept by the client to renew its lease)."""
         if self._sessions is None:
             return
         if session is not None:
             self._sessions.bind(pool_id, session)
-            return
         reply.lease.path = self._sessions.path
         reply.lease.ticket = self._sessions.issue(tenant, pool_id, fd)
 

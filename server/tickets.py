@@ -10,6 +10,8 @@ Contract:
     * ``redeem(ticket, tenant) -> (pool_id, fd) | None``: the pool and its descriptor (-1 for a
       CUDA pool), which the caller now owns; ``None`` for an unknown, used, expired or other
       tenant's ticket (nothing changes then).
+    * ``renewable(ticket, tenant) -> pool_id | None``: a redeemed ticket keeps proving that its
+      holder leased the pool (no memory comes with it), until ``forget_pool(pool_id)``.
     * ``deposit(tenant, fd, conn) -> ticket | None``: a client's memfd (the registry owns ``fd``
       from here on, even on ``None``: at most ``MAX_DEPOSITS`` per connection).
     * ``take_deposit(ticket, tenant) -> (fd, conn) | None``: as ``redeem``, for deposits.
@@ -51,6 +53,8 @@ class Tickets:
         self._lock = threading.Lock()
         self._pools: dict[bytes, _Entry] = {}
         self._deposits: dict[bytes, _Entry] = {}
+        self._renewals: dict[bytes, tuple[str, int]] = {}  # redeemed: key -> (tenant, pool)
+        self._pool_keys: dict[int, bytes] = {}
 
     def issue(self, tenant: str, pool_id: int, fd: int) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
@@ -61,7 +65,23 @@ class Tickets:
 
     def redeem(self, ticket: bytes, tenant: str) -> tuple[int, int] | None:
         entry = self._take(self._pools, ticket, tenant)
-        return None if entry is None else (entry.pool_id, entry.fd)
+        if entry is None:
+            return None
+        with self._lock:
+            self._renewals[_key(ticket)] = (tenant, entry.pool_id)
+            self._pool_keys[entry.pool_id] = _key(ticket)
+        return entry.pool_id, entry.fd
+
+    def renewable(self, ticket: bytes, tenant: str) -> int | None:
+        with self._lock:
+            got = self._renewals.get(_key(ticket)) if len(ticket) == TICKET_BYTES else None
+        return got[1] if got is not None and got[0] == tenant else None
+
+    def forget_pool(self, pool_id: int) -> None:
+        with self._lock:
+            key = self._pool_keys.pop(pool_id, None)
+            if key is not None:
+                self._renewals.pop(key, None)
 
     def deposit(self, tenant: str, fd: int, conn: int) -> bytes | None:
         ticket = secrets.token_bytes(TICKET_BYTES)

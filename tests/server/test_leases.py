@@ -158,3 +158,18 @@ def test_hostile_session_clients_cost_nothing_and_change_nothing(
         slots = owner.acquire(att, [got[0][0]])  # the owner's pool and bytes are untouched
         assert slots is not None and bool((att.tensor[slots[0]] == 9).all())
         assert pools(d) == 1 and d.proc.poll() is None
+
+
+def test_a_client_that_reconnects_within_the_grace_keeps_its_pools(
+        spawn: Callable[..., Daemon]) -> None:
+    d = with_lease(spawn, "2")
+    with d.client("t") as c:
+        kept, gone = c.attach(4), c.attach(4)
+        c.detach(gone)
+        session = c._session
+        assert session is not None and session._sock is not None
+        session._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks; the client lives on
+        time.sleep(0.5)
+        assert c.attach(4) is not None  # reconnects, renews the lease of `kept`, redeems anew
+        time.sleep(3.0)  # past the grace of the broken connection
+        assert pools(d) == 2 and c.allocate(kept, 1) is not None
