@@ -173,3 +173,22 @@ def test_a_client_that_reconnects_within_the_grace_keeps_its_pools(
         assert c.attach(4) is not None  # reconnects, renews the lease of `kept`, redeems anew
         time.sleep(3.0)  # past the grace of the broken connection
         assert pools(d) == 2 and c.allocate(kept, 1) is not None
+
+
+@pytest.mark.parametrize("lease", ["0", "600"])
+def test_kvtier_bench_again_and_again_does_not_pile_up_pools(
+        spawn: Callable[..., Daemon], capsys: pytest.CaptureFixture[str], lease: str) -> None:
+    from kvtier.cli import main
+
+    d = with_lease(spawn, lease)  # room for 32 pages: two runs of 2 x 8-page pools fill it
+    argv = ["bench", "--address", d.address, "--seconds", "0.5", "--engines", "2",
+            "--pages-per-engine", "32"]
+    codes = []
+    for _ in range(3):
+        codes.append(main(argv))
+        if lease == "0":
+            wait_pools(d, 0)  # the runs' clients closed their sessions: their pools went
+    err = capsys.readouterr().err
+    assert lease == "0" or "budget" in err, err
+    # Without the lease's end (600 s) the third run finds the budget taken by gone clients.
+    assert codes == ([0, 0, 0] if lease == "0" else [0, 0, 1]), codes
