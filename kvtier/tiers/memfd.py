@@ -9,13 +9,16 @@ is freed when the last descriptor and mapping are gone, ``kill -9`` included.
 Contract:
     * ``create(nbytes, name) -> fd``: a new sealed memfd of exactly ``nbytes`` (close-on-exec).
     * ``check(fd, need, field)``: ``FailedPrecondition`` naming ``field`` unless ``fd`` is a memfd
-      carrying the three seals, not sealed against writes, and holding at least ``need`` bytes.
+      carrying the three seals, not sealed against writes, backed by shmem (not hugetlbfs: a
+      hole punched there releases the huge page reservation, and a later fault could SIGBUS),
+      and holding at least ``need`` bytes.
     * ``map_shared(fd, nbytes) -> Tensor``: the first ``nbytes`` as a writable shared 1-D
       ``uint8`` tensor; the mapping outlives ``fd`` (the caller may close it at once).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import stat
@@ -25,6 +28,7 @@ import torch
 from kvtier.errors import FailedPrecondition
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+TMPFS_MAGIC = 0x01021994  # memfds without MFD_HUGETLB live on the kernel's internal tmpfs
 _NO_WRITE = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 
@@ -52,8 +56,18 @@ def check(fd: int, need: int, field: str) -> None:
             f"{field}: memfd must be sealed with F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL")
     if seals & _NO_WRITE:
         raise FailedPrecondition(f"{field}: memfd is sealed against writes")
+    if _fs_magic(fd) != TMPFS_MAGIC:
+        raise FailedPrecondition(f"{field}: memfd must be plain shmem (no MFD_HUGETLB)")
     if not stat.S_ISREG(st.st_mode) or st.st_size < need:
         raise FailedPrecondition(f"{field}: memfd holds {st.st_size} bytes, needs {need}")
+
+
+def _fs_magic(fd: int) -> int:
+    """``fstatfs(fd).f_type`` (the first field of ``struct statfs`` on Linux), -1 on failure."""
+    buf = ctypes.create_string_buffer(256)  # larger than struct statfs on every Linux ABI
+    if ctypes.CDLL(None, use_errno=True).fstatfs(fd, buf) != 0:
+        return -1
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def map_shared(fd: int, nbytes: int) -> torch.Tensor:

@@ -124,7 +124,7 @@ def _unsealed(nbytes: int, seals: int) -> int:
 
 
 @pytest.mark.parametrize("kind", ["no seals", "shrink only", "no seal-seal", "sealed too small",
-                                  "write sealed", "plain file", "pipe"])
+                                  "write sealed", "hugetlb", "plain file", "pipe"])
 def test_register_refuses_memory_that_is_not_a_sealed_memfd(
         spawn: Callable[..., Daemon], tmp_path: Path, kind: str) -> None:
     d = spawn()
@@ -135,6 +135,11 @@ def test_register_refuses_memory_that_is_not_a_sealed_memfd(
     elif kind == "pipe":
         fd, w = os.pipe()
         os.close(w)
+    elif kind == "hugetlb":  # sealable, but a punched hole could SIGBUS the daemon later
+        fd = os.memfd_create("huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+        os.ftruncate(fd, 2 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     else:
         all3 = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
         seals = {"no seals": 0, "shrink only": fcntl.F_SEAL_SHRINK,
