@@ -74,14 +74,18 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     # --- pools ------------------------------------------------------------------------------
     async def Attach(self, req: pb.AttachRequest, ctx: Ctx) -> pb.AttachReply:
+        local = self._sessions is not None and ctx.peer().startswith("unix:")
+
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
             validate.device(req.device, self._device)
             size = validate.page_size(req.page_size, self._page_size)
             slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
             prio = validate.default_priority(req.default_priority)
-            if self._sessions is None and self._device == "cpu":
-                raise FailedPrecondition("CPU-mode pools are handed over a unix socket only")
+            if self._device == "cpu" and not local:
+                raise FailedPrecondition(
+                    "CPU-mode pool memory is handed over the daemon's unix session socket: "
+                    "connect over unix://")
             pool = self._engine.attach(tenant, slots, size, default_priority=prio)
             log.info("attached pool %s: tenant=%s slots=%d layout=%r", pool.pool_id, tenant,
                      slots, req.layout[:200])

@@ -266,5 +266,6 @@ def test_tcp_clients_get_no_cpu_mode_memory(spawn: Callable[..., Daemon], tmp_pa
             c.attach(SLOTS)
         assert "unix://" in str(err.value)
     with d.client("t") as local:
+        assert local.stats().pools == 0  # refused before a pool was made
         att = local.attach(SLOTS)
         assert att.tensor is not None and local.allocate(att, 1) is not None
