@@ -35,6 +35,7 @@ class Session:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._leases: dict[bytes, str] = {}  # redeemed tickets -> tenant, to renew
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"Session({self.path!r}, open={self._sock is not None})"
@@ -90,6 +91,12 @@ class Session:
         return status, out, fds[0] if fds else -1
 
     def _connect(self) -> socket.socket:
+        if self._pid != os.getpid():  # a forked child: its own session, not its parent's
+            if self._sock is not None:
+                self._sock.close()  # the child's copy only: the parent's session stays open
+                self._sock = None
+            self._leases.clear()
+            self._pid = os.getpid()
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self._timeout)

@@ -192,3 +192,24 @@ def test_kvtier_bench_again_and_again_does_not_pile_up_pools(
     assert lease == "0" or "budget" in err, err
     # Without the lease's end (600 s) the third run finds the budget taken by gone clients.
     assert codes == ([0, 0, 0] if lease == "0" else [0, 0, 1]), codes
+
+
+def test_a_forked_child_gets_its_own_session(spawn: Callable[..., Daemon]) -> None:
+    d = with_lease(spawn, "0")
+    with d.client("t") as c, grpc.insecure_channel(d.address) as ch:
+        parent = c.attach(4)
+        ticket = pb_grpc.KVTierStub(ch).Attach(pb.AttachRequest(tenant="t", num_pages=4)).lease
+        session = c._session
+        assert session is not None
+        pid = os.fork()
+        if pid == 0:  # the child redeems on a session of its own (no gRPC here), then exits
+            code = 0
+            try:
+                os.close(session.redeem(ticket.ticket, "t"))
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        wait_pools(d, 1)  # the child's pool went with the child; the parent's session lives
+        assert c.allocate(parent, 1) is not None
