@@ -21,6 +21,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from . import ops
 from .attachment import Attachment, from_reply
 from .errors import Unavailable, from_rpc_error
+from .fdpass import deposit_all, session_for
 from .options import channel_options, metadata
 
 CapacityShortfall = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -33,6 +34,7 @@ class KVTierClient:
         self._metadata = metadata(token, tenant_token)
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
+        self._session = session_for(address, timeout)  # holds this client's pools (leases)
 
     def __enter__(self) -> KVTierClient:
         return self
@@ -41,7 +43,10 @@ class KVTierClient:
         self.close()
 
     def close(self) -> None:
+        """Ends the session too: the daemon detaches this client's pools after its lease grace."""
         self._channel.close()
+        if self._session is not None:
+            self._session.close()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the daemon accepts connections (e.g. after a restart), else Unavailable."""
@@ -69,25 +74,34 @@ class KVTierClient:
                default_priority: float = 1.0) -> Attachment:
         req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
                                  default_priority)
-        return from_reply(self._do(ops.Op("Attach", req)), self.tenant, req, register=False)
+        return from_reply(self._do(ops.Op("Attach", req)), self.tenant, req, register=False,
+                          session=self._session)
 
-    def register(self, segments: Sequence[torch.Tensor], *, shm_paths: Sequence[str] = (),
+    def register(self, segments: Sequence[torch.Tensor], *, fds: Sequence[int] = (),
                  layout: str = "", default_priority: float = 1.0) -> Attachment:
-        req = ops.register_request(self.tenant, segments, shm_paths, layout, default_priority)
-        att = from_reply(self._do(ops.Op("Register", req)), self.tenant, req, register=True)
+        """Adopt engine-owned memory. CPU segments view sealed memfds (``ipc.SharedMemory``):
+        ``fds`` gives each segment's descriptor; CUDA segments travel as IPC handles."""
+        tickets = deposit_all(self._session, self.tenant, fds, len(segments))
+        req = ops.register_request(self.tenant, segments, tickets, layout, default_priority)
+        att = from_reply(self._do(ops.Op("Register", req)), self.tenant, req, register=True,
+                         session=self._session)
         att.keepalive.extend(segments)
+        att.memfds.extend(fds)
         return att
 
     def reattach(self, att: Attachment) -> Attachment:
         """A new pool like ``att`` on the current daemon (after a restart); contents are gone."""
-        method = "Register" if isinstance(att.request, pb.RegisterRequest) else "Attach"
-        reply = self._do(ops.Op(method, att.request))
-        new = from_reply(reply, self.tenant, att.request, register=method == "Register")
-        new.keepalive.extend(att.keepalive)
-        return new
+        req = att.request
+        if not isinstance(req, pb.RegisterRequest):
+            reply = self._do(ops.Op("Attach", req))
+            return from_reply(reply, self.tenant, req, register=False, session=self._session)
+        return self.register(att.keepalive, fds=att.memfds, layout=req.layout,
+                             default_priority=req.default_priority)
 
     def detach(self, att: Attachment) -> None:
         self._do(ops.detach(self._ref(att)))
+        if self._session is not None and att.lease:
+            self._session.forget(att.lease)
 
     # --- pages ------------------------------------------------------------------------------
     def allocate(self, att: Attachment, n: int, *, priority: float | None = None,

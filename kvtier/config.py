@@ -149,6 +149,14 @@ class OffloadConfig:
         16, "MAX_WATCHES",
         "Most open WatchEvents streams per tenant (RESOURCE_EXHAUSTED beyond).", "1..1024",
     )
+    # --- client sessions (leases) -----------------------------------------------------------
+    lease_s: float = _opt(
+        30.0,
+        "LEASE_S",
+        "Grace after a client's session socket closes before its pools are detached "
+        "(seconds; keyed pages stay); 0 detaches at once.",
+        "0..86400",
+    )
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -270,6 +278,7 @@ def _validate(c: OffloadConfig) -> None:
         ("max_inflight_mb", c.max_inflight_mb >= c.batch_mb),
         ("restore_timeout_s", c.restore_timeout_s > 0),
         ("grace_s", c.grace_s > 0),
+        ("lease_s", 0 <= c.lease_s <= 86400),
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),

@@ -22,11 +22,13 @@ from grpc_health.v1._async import HealthServicer
 
 from kvtier.config import ENV_PREFIX, MIB, OffloadConfig
 from kvtier.errors import ConfigError
+from kvtier.types import PoolId
 from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 
 from .auth import TokenAuth
 from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
+from .fdpass import FdExchange, session_paths
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
@@ -84,10 +86,11 @@ class KVTierServer:
 
     def __init__(self, server: grpc.aio.Server, health: HealthServicer, draining: asyncio.Event,
                  executor: ThreadPoolExecutor, instance: str,
-                 lane: FastLane | None = None, tenants: TenantCredentials | None = None) -> None:
+                 lane: FastLane | None = None, tenants: TenantCredentials | None = None,
+                 sessions: FdExchange | None = None) -> None:
         self.server, self.health, self.draining = server, health, draining
         self.executor, self.instance, self.lane = executor, instance, lane
-        self.tenants = tenants
+        self.tenants, self.sessions = tenants, sessions
 
     async def start(self) -> None:
         await self.server.start()
@@ -95,6 +98,8 @@ class KVTierServer:
             await self.lane.start()
         if self.tenants is not None:  # SIGHUP: read the tenants file again
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
+        if self.sessions is not None:
+            await self.sessions.start()
 
     async def set_serving(self) -> None:
         for name in ("", SERVICE):
@@ -105,6 +110,8 @@ class KVTierServer:
         self.draining.set()
         if self.lane is not None:
             await self.lane.stop()
+        if self.sessions is not None:
+            await self.sessions.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -129,18 +136,36 @@ def create_server(
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
     lane = FastLane(engine, path, observe) if path is not None else None
+    sessions = _sessions(config, engine, lane, executor, addrs)
     tenancy = Tenancy(engine, instance)
     watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
         engine, device=config.resolved_device(), default_page_size=config.page_size,
         version=version, tenancy=tenancy, executor=executor, watches=watches, lane=lane,
+        sessions=sessions,
     )
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _enable_reflection(server)
     bound = _bind(server, addrs)
-    return KVTierServer(server, health, draining, executor, instance, lane, tenants), bound
+    return KVTierServer(server, health, draining, executor, instance, lane, tenants,
+                        sessions), bound
+
+
+def _sessions(config: OffloadConfig, engine: Any, lane: FastLane | None,
+              executor: ThreadPoolExecutor, addrs: list[str]) -> FdExchange | None:
+    """The session socket(s): pool memory as descriptors, and leases that detach pools."""
+    paths = session_paths(addrs)
+    if not paths:
+        return None
+
+    def detach(pool_id: int) -> None:
+        engine.detach(PoolId(pool_id))
+        if lane is not None:
+            lane.revoke(pool_id)
+
+    return FdExchange(paths, lease_s=config.lease_s, detach=detach, executor=executor)
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 import numpy as np
 
-from kvtier.errors import KVTierError
+from kvtier.errors import FailedPrecondition, KVTierError
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -24,6 +24,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from . import convert, validate
 from .errors import is_internal, shortfall, status_for
 from .fastlane import FastLane
+from .fdpass import FdExchange
 from .tenancy import Tenancy
 from .watch import WatchHub
 
@@ -36,7 +37,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(
         self, engine: Any, *, device: str, default_page_size: int, version: str,
         tenancy: Tenancy, executor: Executor, watches: WatchHub,
-        lane: FastLane | None = None,
+        lane: FastLane | None = None, sessions: FdExchange | None = None,
     ) -> None:
         self._engine = engine
         self._device = device
@@ -45,6 +46,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._tenancy = tenancy
         self._executor = executor
         self._lane = lane
+        self._sessions = sessions
         self._watches = watches
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
@@ -73,6 +75,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     # --- pools ------------------------------------------------------------------------------
     async def Attach(self, req: pb.AttachRequest, ctx: Ctx) -> pb.AttachReply:
+        local = self._sessions is not None and ctx.peer().startswith("unix:")
+
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
             validate.layout(req.layout)
@@ -80,10 +84,15 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             size = validate.page_size(req.page_size, self._page_size)
             slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
             prio = validate.default_priority(req.default_priority)
+            if self._device == "cpu" and not local:
+                raise FailedPrecondition(
+                    "CPU-mode pool memory is handed over the daemon's unix session socket: "
+                    "connect over unix://")
             pool = self._engine.attach(tenant, slots, size, default_priority=prio)
             log.info("attached pool %s: tenant=%s slots=%d layout=%r", pool.pool_id, tenant,
                      slots, req.layout[:200])
             reply = convert.attach_reply(pool, self._tenancy.instance)
+            self._lease(reply, tenant, int(pool.pool_id), pool.dev.fd, None)
             if self._lane is not None:
                 reply.fast_lane.path = self._lane.path
                 reply.fast_lane.capability = self._lane.grant(int(pool.pool_id), tenant)
@@ -98,11 +107,25 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             tenant = validate.tenant(req.tenant)
             validate.layout(req.layout)
             prio = validate.default_priority(req.default_priority)
-            views = open_segments(req.segments, self._device)
+            tickets = None if self._sessions is None else self._sessions.tickets
+            views, session = open_segments(req.segments, self._device, tenant, tickets)
             pool = self._engine.register(tenant, views, default_priority=prio)
-            return convert.attach_reply(pool, self._tenancy.instance, registered=True)
+            reply = convert.attach_reply(pool, self._tenancy.instance, registered=True)
+            self._lease(reply, tenant, int(pool.pool_id), -1, session)
+            return reply
 
         return await self._run(ctx, call)
+
+    def _lease(self, reply: pb.AttachReply, tenant: str, pool_id: int, fd: int,
+               session: int | None) -> None:
+        """Bind the pool to the session that brought its memory (if any); issue its lease ticket
+        (redeemed for the memfd in CPU mode; kept by the client to renew its lease)."""
+        if self._sessions is None:
+            return
+        if session is not None:
+            self._sessions.bind(pool_id, session)
+        reply.lease.path = self._sessions.path
+        reply.lease.ticket = self._sessions.issue(tenant, pool_id, fd)
 
     async def Detach(self, req: pb.DetachRequest, ctx: Ctx) -> pb.DetachReply:
         def call() -> pb.DetachReply:
@@ -110,6 +133,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             self._engine.detach(pool_id)
             if self._lane is not None:
                 self._lane.revoke(int(pool_id))
+            if self._sessions is not None:
+                self._sessions.forget(int(pool_id))
             return pb.DetachReply()
 
         return await self._run(ctx, call)

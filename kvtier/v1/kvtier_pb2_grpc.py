@@ -121,9 +121,11 @@ class KVTierServicer:
 
     def Attach(self, request, context):
         """Creates a daemon-allocated page pool for one engine. Returns the handle the engine maps
-        (CUDA IPC on a GPU, a /dev/shm file in CPU mode). INVALID_ARGUMENT: empty tenant, bad sizes,
-        device not the daemon's. RESOURCE_EXHAUSTED: the tenant's GPU quota or the daemon's GPU pool
-        budget can't hold it (the message never says what other tenants hold or what is free).
+        (CUDA IPC on a GPU; in CPU mode a sealed memfd, handed over the session socket for the
+        reply's lease ticket, never a path). INVALID_ARGUMENT: empty tenant, bad sizes, device not
+        the daemon's. RESOURCE_EXHAUSTED: the tenant's GPU quota or the daemon's GPU pool budget
+        can't hold it (the message never says what other tenants hold or what is free).
+        FAILED_PRECONDITION: a CPU-mode daemon without a unix listener (no way to hand over the memory).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,8 +133,10 @@ class KVTierServicer:
 
     def Register(self, request, context):
         """Adopts engine-owned KV memory (vLLM's tensors) as a pool. The daemon opens each segment's IPC
-        handle (or maps the shm file in CPU mode). INVALID_ARGUMENT: bad or inconsistent segments,
-        handles that can't be opened.
+        handle (CPU mode: the sealed memfd deposited on the session socket under memfd_ticket).
+        INVALID_ARGUMENT: bad or inconsistent segments, handles that can't be opened.
+        FAILED_PRECONDITION (naming the segment): an unknown, used, expired or other tenant's ticket,
+        or memory that is not a memfd sealed against shrinking and growing, or too small.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

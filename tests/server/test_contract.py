@@ -10,10 +10,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-import torch
+from kvtier.client.fdpass import Session
+from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon
 
 from kvtier.errors import FailedPrecondition
+from kvtier.tiers import memfd
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -30,8 +32,11 @@ class Pool:
         att = stub.Attach(pb.AttachRequest(tenant=TENANT, num_pages=pages, page_size=page_size),
                           timeout=10)
         self.ref = pb.PoolRef(tenant=TENANT, pool_id=att.pool_id, instance=att.instance)
-        self.shm = att.handle.shm_path
         self.size = att.page_size
+        self.session = Session(att.lease.path)  # holds the pool's lease while the test runs
+        fd = self.session.redeem(att.lease.ticket, TENANT)
+        self.view = memfd.map_shared(fd, att.num_slots * att.page_size)
+        os.close(fd)
 
     def allocate(self, n: int) -> list[tuple[int, int]]:
         got = self.stub.Allocate(pb.AllocateRequest(pool=self.ref, count=n), timeout=10)
@@ -44,14 +49,10 @@ class Pool:
         return self.stub.Stats(pb.StatsRequest(tenant=TENANT), timeout=10).pinned_pages
 
     def fill(self, slot: int, value: int) -> None:
-        view = torch.from_file(self.shm, shared=True, size=os.path.getsize(self.shm),
-                               dtype=torch.uint8)
-        view[slot * self.size:(slot + 1) * self.size].fill_(value)
+        self.view[slot * self.size:(slot + 1) * self.size].fill_(value)
 
     def first_byte(self, slot: int) -> int:
-        view = torch.from_file(self.shm, shared=True, size=os.path.getsize(self.shm),
-                               dtype=torch.uint8)
-        return int(view[slot * self.size])
+        return int(self.view[slot * self.size])
 
     def detach(self) -> None:
         self.stub.Detach(pb.DetachRequest(pool=self.ref), timeout=10)
@@ -154,18 +155,12 @@ def test_lookup_finds_keys_that_load_cannot_copy_into_another_page_size(
 
 
 def test_registered_pools_have_no_allocate_and_no_fast_lane(daemon: Daemon) -> None:
-    path = f"/dev/shm/kvtier-test-{uuid.uuid4().hex}"
-    with open(path, "wb") as fh:
-        fh.truncate(2 * PAGE)
-    try:
-        seg = torch.from_file(path, shared=True, size=2 * PAGE, dtype=torch.uint8).view(2, PAGE)
-        with daemon.client(TENANT) as c:
-            att = c.register([seg], shm_paths=[path])
-            assert att.fast_lane is None and att.tensor is None
-            with pytest.raises(FailedPrecondition):
-                c.allocate(att, 1)
-            seg[1].fill_(7)  # Store needs no pin: the engine owns these slots
-            assert c.store(att, [uuid.uuid4().bytes], [1]) == 1
-            c.detach(att)
-    finally:
-        os.unlink(path)
+    with SharedMemory(2 * PAGE) as mem, daemon.client(TENANT) as c:
+        seg = mem.tensor.view(2, PAGE)
+        att = c.register([seg], fds=[mem.fd])
+        assert att.fast_lane is None and att.tensor is None
+        with pytest.raises(FailedPrecondition):
+            c.allocate(att, 1)
+        seg[1].fill_(7)  # Store needs no pin: the engine owns these slots
+        assert c.store(att, [uuid.uuid4().bytes], [1]) == 1
+        c.detach(att)
