@@ -17,17 +17,19 @@ from . import ops
 from .attachment import Attachment, from_reply
 from .errors import Unavailable, from_rpc_error
 from .fastlane import ACQUIRE, RELEASE, AsyncFastLane
-from .options import channel_options, default_address, metadata
+from .fdpass import deposit_all, session_for
+from .options import channel_options, default_address, metadata, tenant_token_of
 
 
 class AsyncKVTierClient:
     def __init__(self, address: str, tenant: str, token: str | None = None,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, *, tenant_token: str | None = None) -> None:
         self.address, self.tenant, self.timeout = address, tenant, timeout
-        self._metadata = metadata(token)
+        self._metadata = metadata(token, tenant_token)
         self._channel = grpc.aio.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._lanes: dict[str, AsyncFastLane] = {}  # one per daemon socket
+        self._session = session_for(address, timeout)  # holds this client's pools (leases)
 
     async def __aenter__(self) -> AsyncKVTierClient:
         return self
@@ -39,6 +41,8 @@ class AsyncKVTierClient:
         for lane in self._lanes.values():
             await lane.close()
         await self._channel.close()
+        if self._session is not None:  # the daemon detaches our pools after its lease grace
+            self._session.close()
 
     async def _fast(self, att: Attachment, op: int, page_ids: Sequence[int]) -> list[int] | None:
         """The fast lane's answer for resident pages, or ``None`` (then the caller uses gRPC)."""
@@ -78,24 +82,36 @@ class AsyncKVTierClient:
                      default_priority: float = 1.0) -> Attachment:
         req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
                                  default_priority)
-        return from_reply(await self._do(ops.Op("Attach", req)), self.tenant, req, register=False)
+        reply = await self._do(ops.Op("Attach", req))
+        return await asyncio.to_thread(from_reply, reply, self.tenant, req, register=False,
+                                       session=self._session)
 
-    async def register(self, segments: Sequence[torch.Tensor], *, shm_paths: Sequence[str] = (),
+    async def register(self, segments: Sequence[torch.Tensor], *, fds: Sequence[int] = (),
                        layout: str = "", default_priority: float = 1.0) -> Attachment:
-        req = ops.register_request(self.tenant, segments, shm_paths, layout, default_priority)
-        att = from_reply(await self._do(ops.Op("Register", req)), self.tenant, req, register=True)
+        """As ``KVTierClient.register``: ``fds`` are the sealed memfds of CPU segments."""
+        tickets = await asyncio.to_thread(deposit_all, self._session, self.tenant, fds,
+                                          len(segments))
+        req = ops.register_request(self.tenant, segments, tickets, layout, default_priority)
+        reply = await self._do(ops.Op("Register", req))
+        att = await asyncio.to_thread(from_reply, reply, self.tenant, req, register=True,
+                                      session=self._session)
         att.keepalive.extend(segments)
+        att.memfds.extend(fds)
         return att
 
     async def reattach(self, att: Attachment) -> Attachment:
-        method = "Register" if isinstance(att.request, pb.RegisterRequest) else "Attach"
-        reply = await self._do(ops.Op(method, att.request))
-        new = from_reply(reply, self.tenant, att.request, register=method == "Register")
-        new.keepalive.extend(att.keepalive)
-        return new
+        req = att.request
+        if not isinstance(req, pb.RegisterRequest):
+            reply = await self._do(ops.Op("Attach", req))
+            return await asyncio.to_thread(from_reply, reply, self.tenant, req, register=False,
+                                           session=self._session)
+        return await self.register(att.keepalive, fds=att.memfds, layout=req.layout,
+                                   default_priority=req.default_priority)
 
     async def detach(self, att: Attachment) -> None:
         await self._do(ops.detach(self._ref(att)))
+        if self._session is not None and att.lease:
+            self._session.forget(att.lease)
 
     async def allocate(self, att: Attachment, n: int, *, priority: float | None = None,
                        sequence_length: int | None = None) -> list[tuple[int, int]] | None:
@@ -143,8 +159,10 @@ class AsyncKVTierClient:
     async def load(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(await self._do(ops.load(self._ref(att), keys, slots)))
 
-    async def stats(self) -> pb.StatsReply:
-        return await self._do(ops.stats(self.tenant))
+    async def stats(self, *, whole: bool = False) -> pb.StatsReply:
+        """This tenant's own view; ``whole``: the daemon-wide view (with tenant credentials
+        configured, only the admin token may see it)."""
+        return await self._do(ops.stats("" if whole else self.tenant))
 
     async def watch_events(self, att: Attachment | None = None, *,
                            duration: float | None = None) -> AsyncIterator[pb.Event]:
@@ -162,5 +180,10 @@ class AsyncKVTierClient:
 
 
 def connect_async(address: str | None = None, *, tenant: str, token: str | None = None,
-                  timeout: float = 5.0) -> AsyncKVTierClient:
-    return AsyncKVTierClient(address or default_address(), tenant, token, timeout)
+                  timeout: float = 5.0, tenant_token: str | None = None,
+                  tenant_token_file: str | None = None) -> AsyncKVTierClient:
+    """As ``connect``: ``tenant_token`` (or the first line of ``tenant_token_file``) is the
+    tenant's credential, sent with every call when the daemon checks tenants."""
+    secret = tenant_token_of(tenant_token, tenant_token_file)
+    return AsyncKVTierClient(address or default_address(), tenant, token, timeout,
+                             tenant_token=secret)

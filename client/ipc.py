@@ -1,10 +1,11 @@
 """Mapping pool memory shared between the daemon and an engine process.
 
-Used for Register (engine-owned memory sent to the daemon): a ``/dev/shm`` file mapped shared
-(CPU mode) or a CUDA IPC storage handle (GPU mode). CUDA handles travel in a small self-describing
-format (``KVIPC1`` + JSON) instead of pickle, so the daemon never unpickles bytes sent by a client.
-Daemon pools (Attach) are mapped with ``kvtier.tiers.device.open_handle``. Handles are
-capabilities: never log them.
+Used for Register (engine-owned memory sent to the daemon): a sealed memfd mapped shared (CPU
+mode: :class:`SharedMemory` makes one; its descriptor travels over the daemon's session socket,
+never a path) or a CUDA IPC storage handle (GPU mode). CUDA handles travel in a small
+self-describing format (``KVIPC1`` + JSON) instead of pickle, so the daemon never unpickles bytes
+sent by a client. Daemon pools (Attach) are mapped with ``kvtier.tiers.device.open_handle``.
+Handles and descriptors are capabilities: never log them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 import torch
 
+from kvtier.tiers import memfd
+
 MAGIC = b"KVIPC1"
-SHM_ROOT = "/dev/shm"
 _BYTES_FIELDS = ("handle", "ref_counter_handle", "event_handle")
 
 
@@ -49,17 +51,34 @@ def decode_cuda(blob: bytes) -> torch.UntypedStorage:
     )
 
 
-def map_shm(path: str, nbytes: int, *, root: str | None = SHM_ROOT) -> torch.Tensor:
-    """Map ``nbytes`` of a shared-memory file as a 1-D uint8 tensor (writes are shared).
+class SharedMemory:
+    """CPU memory an engine owns and may Register: a sealed memfd, mapped here.
 
-    ``root``: the file must lie directly in this directory (None: anywhere, for daemon paths).
+    ``tensor`` is 1-D ``uint8`` of ``nbytes`` (shared with the daemon once registered); view
+    segments into it and pass ``fd`` once per segment: ``register(segs, fds=[mem.fd] * n)``.
+    The memfd can't be shrunk or grown by anyone, so the daemon can't be hurt through it.
+    ``close()`` closes the descriptor; the mapping lives while tensors use it.
     """
-    real = os.path.realpath(path)
-    if not os.path.isfile(real) or (root is not None and os.path.dirname(real) != root):
-        raise ValueError(f"shm path must be a regular file directly under {root}")
-    if os.path.getsize(real) < nbytes:
-        raise ValueError(f"shm file holds {os.path.getsize(real)} bytes, needs {nbytes}")
-    return torch.from_file(real, shared=True, size=nbytes, dtype=torch.uint8)
+
+    def __init__(self, nbytes: int, name: str = "kvtier-engine") -> None:
+        self.nbytes = nbytes
+        self.fd = memfd.create(nbytes, name)
+        try:
+            self.tensor = memfd.map_shared(self.fd, nbytes)
+        except (OSError, ValueError, RuntimeError):
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SharedMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def rows(

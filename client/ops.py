@@ -39,13 +39,11 @@ def attach_request(
     return req
 
 
-def register_request(tenant: str, segments: Sequence[torch.Tensor], shm_paths: Sequence[str],
+def register_request(tenant: str, segments: Sequence[torch.Tensor], tickets: Sequence[bytes],
                      layout: str, default_priority: float) -> pb.RegisterRequest:
-    paths = list(shm_paths) or [""] * len(segments)
-    if len(paths) != len(segments):
-        raise ValueError("give one shm path per segment")
+    """``tickets``: per segment, the session ticket of its memfd (CPU) or ``b""`` (CUDA)."""
     return pb.RegisterRequest(
-        tenant=tenant, segments=[segment(t, p) for t, p in zip(segments, paths, strict=True)],
+        tenant=tenant, segments=[segment(t, k) for t, k in zip(segments, tickets, strict=True)],
         layout=layout, default_priority=default_priority)
 
 

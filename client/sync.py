@@ -21,6 +21,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from . import ops
 from .attachment import Attachment, from_reply
 from .errors import Unavailable, from_rpc_error
+from .fdpass import deposit_all, session_for
 from .options import channel_options, metadata
 
 CapacityShortfall = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -28,11 +29,12 @@ CapacityShortfall = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 class KVTierClient:
     def __init__(self, address: str, tenant: str, token: str | None = None,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, *, tenant_token: str | None = None) -> None:
         self.address, self.tenant, self.timeout = address, tenant, timeout
-        self._metadata = metadata(token)
+        self._metadata = metadata(token, tenant_token)
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
+        self._session = session_for(address, timeout)  # holds this client's pools (leases)
 
     def __enter__(self) -> KVTierClient:
         return self
@@ -41,7 +43,10 @@ class KVTierClient:
         self.close()
 
     def close(self) -> None:
+        """Ends the session too: the daemon detaches this client's pools after its lease grace."""
         self._channel.close()
+        if self._session is not None:
+            self._session.close()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the daemon accepts connections (e.g. after a restart), else Unavailable."""
@@ -69,25 +74,34 @@ class KVTierClient:
                default_priority: float = 1.0) -> Attachment:
         req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
                                  default_priority)
-        return from_reply(self._do(ops.Op("Attach", req)), self.tenant, req, register=False)
+        return from_reply(self._do(ops.Op("Attach", req)), self.tenant, req, register=False,
+                          session=self._session)
 
-    def register(self, segments: Sequence[torch.Tensor], *, shm_paths: Sequence[str] = (),
+    def register(self, segments: Sequence[torch.Tensor], *, fds: Sequence[int] = (),
                  layout: str = "", default_priority: float = 1.0) -> Attachment:
-        req = ops.register_request(self.tenant, segments, shm_paths, layout, default_priority)
-        att = from_reply(self._do(ops.Op("Register", req)), self.tenant, req, register=True)
+        """Adopt engine-owned memory. CPU segments view sealed memfds (``ipc.SharedMemory``):
+        ``fds`` gives each segment's descriptor; CUDA segments travel as IPC handles."""
+        tickets = deposit_all(self._session, self.tenant, fds, len(segments))
+        req = ops.register_request(self.tenant, segments, tickets, layout, default_priority)
+        att = from_reply(self._do(ops.Op("Register", req)), self.tenant, req, register=True,
+                         session=self._session)
         att.keepalive.extend(segments)
+        att.memfds.extend(fds)
         return att
 
     def reattach(self, att: Attachment) -> Attachment:
         """A new pool like ``att`` on the current daemon (after a restart); contents are gone."""
-        method = "Register" if isinstance(att.request, pb.RegisterRequest) else "Attach"
-        reply = self._do(ops.Op(method, att.request))
-        new = from_reply(reply, self.tenant, att.request, register=method == "Register")
-        new.keepalive.extend(att.keepalive)
-        return new
+        req = att.request
+        if not isinstance(req, pb.RegisterRequest):
+            reply = self._do(ops.Op("Attach", req))
+            return from_reply(reply, self.tenant, req, register=False, session=self._session)
+        return self.register(att.keepalive, fds=att.memfds, layout=req.layout,
+                             default_priority=req.default_priority)
 
     def detach(self, att: Attachment) -> None:
         self._do(ops.detach(self._ref(att)))
+        if self._session is not None and att.lease:
+            self._session.forget(att.lease)
 
     # --- pages ------------------------------------------------------------------------------
     def allocate(self, att: Attachment, n: int, *, priority: float | None = None,
@@ -135,8 +149,10 @@ class KVTierClient:
         return int(self._do(ops.load(self._ref(att), keys, slots)))
 
     # --- operations -------------------------------------------------------------------------
-    def stats(self) -> pb.StatsReply:
-        return self._do(ops.stats(self.tenant))
+    def stats(self, *, whole: bool = False) -> pb.StatsReply:
+        """This tenant's own view; ``whole``: the daemon-wide view (with tenant credentials
+        configured, only the admin token may see it)."""
+        return self._do(ops.stats("" if whole else self.tenant))
 
     def watch_events(self, att: Attachment | None = None, *,
                      duration: float | None = None) -> Iterator[pb.Event]:
@@ -159,8 +175,13 @@ class KVTierClient:
 
 
 def connect(address: str | None = None, *, tenant: str, token: str | None = None,
-            timeout: float = 5.0) -> KVTierClient:
-    """A blocking client; ``address`` defaults to the daemon's default unix socket."""
-    from .options import default_address
+            timeout: float = 5.0, tenant_token: str | None = None,
+            tenant_token_file: str | None = None) -> KVTierClient:
+    """A blocking client; ``address`` defaults to the daemon's default unix socket. ``token``:
+    the TCP bearer token; ``tenant_token`` (or the first line of ``tenant_token_file``): the
+    tenant's credential, sent with every call when the daemon checks tenants."""
+    from .options import default_address, tenant_token_of
 
-    return KVTierClient(address or default_address(), tenant, token, timeout)
+    secret = tenant_token_of(tenant_token, tenant_token_file)
+    return KVTierClient(address or default_address(), tenant, token, timeout,
+                        tenant_token=secret)

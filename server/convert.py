@@ -8,7 +8,7 @@ from kvtier.stats import EngineStats
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
 
-_HANDLE_KINDS = {"cuda_ipc": pb.HANDLE_KIND_CUDA_IPC, "shm": pb.HANDLE_KIND_SHM}
+_HANDLE_KINDS = {"cuda_ipc": pb.HANDLE_KIND_CUDA_IPC, "memfd": pb.HANDLE_KIND_MEMFD}
 
 
 def tier(t: Tier | int) -> pb.Tier:
@@ -16,12 +16,13 @@ def tier(t: Tier | int) -> pb.Tier:
 
 
 def attach_reply(pool: Any, instance: str, *, registered: bool = False) -> pb.AttachReply:
-    """A registered pool's memory belongs to the engine that sent it: no handle goes back."""
+    """A registered pool's memory belongs to the engine that sent it: no handle goes back.
+    A memfd pool's descriptor goes over the session socket (the servicer adds the lease)."""
     handle = pb.PoolHandle()
     if not registered:
         h = pool.handle()
         handle = pb.PoolHandle(kind=_HANDLE_KINDS.get(h.kind, pb.HANDLE_KIND_UNSPECIFIED),
-                               device=h.device, shm_path=h.shm_path, ipc=h.ipc)
+                               device=h.device, ipc=h.ipc)
     return pb.AttachReply(
         pool_id=int(pool.pool_id),
         page_size=int(pool.page_size),

@@ -1,26 +1,34 @@
 """Opening engine-owned KV memory named in a Register request.
 
-CPU mode: a regular file directly under /dev/shm (never an arbitrary path: the daemon maps it
-writable). CUDA mode: a kvtier IPC handle (never pickle). Each segment becomes a 2-D uint8 view
-``[num_slots, slot_bytes]`` whose rows may be strided, as the engine's register() expects.
+CPU mode: a sealed memfd the client deposited on its session socket (``server/fdpass.py``),
+named by its ticket; never a path, so a tenant can only register memory it holds. The memfd must
+be sealed against shrinking and growing (else a client could truncate it under the daemon's
+mapping: SIGBUS), checked with ``F_GET_SEALS`` and ``fstat``. CUDA mode: a kvtier IPC handle
+(never pickle). Each segment becomes a 2-D uint8 view ``[num_slots, slot_bytes]`` whose rows may
+be strided, as the engine's register() expects. ``open_segments`` returns the views and the
+session that deposited the memory (it holds the pool's lease), or ``None`` in CUDA mode.
+A failed Register has used up its tickets: the client deposits again.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from kvtier.client import ipc
 
-from kvtier.errors import InvalidArgument
+from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.tiers import memfd
 
 from . import validate
+from .tickets import Tickets
 
 
-def open_segments(segments: Sequence[Any], device: str) -> list[torch.Tensor]:
+def open_segments(segments: Sequence[Any], device: str, tenant: str,
+                  tickets: Tickets | None) -> tuple[list[torch.Tensor], int | None]:
     validate.count(len(segments), "len(segments)", validate.MAX_SEGMENTS)
-    views = []
     slots = segments[0].num_slots
     for i, seg in enumerate(segments):
         field = f"segments[{i}]"
@@ -31,30 +39,60 @@ def open_segments(segments: Sequence[Any], device: str) -> list[torch.Tensor]:
         if seg.slot_stride < seg.slot_bytes:
             raise InvalidArgument(f"{field}.slot_stride", "must be >= slot_bytes")
         validate.non_negative(seg.offset, f"{field}.offset")
-        views.append(_open(seg, field, device))
-    return views
+        _check_kind(seg, field, device)
+    if device.startswith("cuda"):
+        return [_open_cuda(seg, f"segments[{i}]") for i, seg in enumerate(segments)], None
+    if tickets is None:
+        raise FailedPrecondition("segments: CPU memory needs the daemon's session socket")
+    return _open_memfds(segments, tenant, tickets)
 
 
-def _open(seg: Any, field: str, device: str) -> torch.Tensor:
+def _check_kind(seg: Any, field: str, device: str) -> None:
+    if bool(seg.ipc) == bool(seg.memfd_ticket):
+        raise InvalidArgument(field, "set exactly one of ipc and memfd_ticket")
+    if seg.memfd_ticket and device != "cpu":
+        raise InvalidArgument(f"{field}.memfd_ticket", f"this daemon serves {device}: send ipc")
+    if seg.ipc and not device.startswith("cuda"):
+        raise InvalidArgument(f"{field}.ipc", "this daemon runs in CPU mode: send memfd_ticket")
+
+
+def _open_memfds(segments: Sequence[Any], tenant: str, tickets: Tickets
+                 ) -> tuple[list[torch.Tensor], int | None]:
+    """Each distinct ticket is taken once; every descriptor taken is closed before returning."""
+    taken: dict[bytes, tuple[int, int]] = {}
+    try:
+        views = []
+        for i, seg in enumerate(segments):
+            field = f"segments[{i}].memfd_ticket"
+            if seg.memfd_ticket not in taken:
+                got = tickets.take_deposit(seg.memfd_ticket, tenant)
+                if got is None:
+                    raise FailedPrecondition(
+                        f"{field}: unknown, used, expired or another tenant's ticket")
+                taken[seg.memfd_ticket] = got
+            fd = taken[seg.memfd_ticket][0]
+            need = ipc.extent(seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
+            memfd.check(fd, need, field)
+            try:
+                flat = memfd.map_shared(fd, need)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise FailedPrecondition(f"{field}: cannot map ({exc})") from None
+            views.append(ipc.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride,
+                                  seg.offset))
+        return views, next(iter(taken.values()))[1]
+    finally:
+        for fd, _ in taken.values():
+            os.close(fd)
+
+
+def _open_cuda(seg: Any, field: str) -> torch.Tensor:
     need = ipc.extent(seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
-    if bool(seg.ipc) == bool(seg.shm_path):
-        raise InvalidArgument(field, "set exactly one of ipc and shm_path")
-    if seg.shm_path:
-        if device != "cpu":
-            raise InvalidArgument(f"{field}.shm_path", f"this daemon serves {device}: send ipc")
-        try:
-            flat = ipc.map_shm(seg.shm_path, need)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise InvalidArgument(f"{field}.shm_path", str(exc)) from None
-    else:
-        if not device.startswith("cuda"):
-            raise InvalidArgument(f"{field}.ipc", "this daemon runs in CPU mode: send shm_path")
-        try:
-            storage = ipc.decode_cuda(seg.ipc)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            why = type(exc).__name__
-            raise InvalidArgument(f"{field}.ipc", f"cannot open handle ({why})") from None
-        if storage.nbytes() < need:
-            raise InvalidArgument(field, f"storage holds {storage.nbytes()} bytes, needs {need}")
-        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    try:
+        storage = ipc.decode_cuda(seg.ipc)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        why = type(exc).__name__
+        raise InvalidArgument(f"{field}.ipc", f"cannot open handle ({why})") from None
+    if storage.nbytes() < need:
+        raise InvalidArgument(field, f"storage holds {storage.nbytes()} bytes, needs {need}")
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     return ipc.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from functools import partial
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
 
+from kvtier.errors import FailedPrecondition, KVTierError
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -23,7 +24,9 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from . import convert, validate
 from .errors import is_internal, shortfall, status_for
 from .fastlane import FastLane
+from .fdpass import FdExchange
 from .tenancy import Tenancy
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,8 +36,8 @@ Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(
         self, engine: Any, *, device: str, default_page_size: int, version: str,
-        tenancy: Tenancy, executor: Executor, draining: asyncio.Event,
-        lane: FastLane | None = None,
+        tenancy: Tenancy, executor: Executor, watches: WatchHub,
+        lane: FastLane | None = None, sessions: FdExchange | None = None,
     ) -> None:
         self._engine = engine
         self._device = device
@@ -43,7 +46,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._tenancy = tenancy
         self._executor = executor
         self._lane = lane
-        self._draining = draining
+        self._sessions = sessions
+        self._watches = watches
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
         try:
@@ -60,8 +64,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         ref = req.pool
         if not req.HasField("pool") or ref.instance != self._tenancy.instance or not req.page_ids:
             return None
-        if len(req.page_ids) > 4096:
-            return None
+        if len(req.page_ids) > 4096 or not 0 <= req.timeout_s < math.inf:
+            return None  # the full path reports a bad timeout_s
         pages = np.array(req.page_ids, dtype=np.int64)  # in C; the engine refuses bad ids
         result: list[int] | None = self._engine.try_acquire(ref.tenant, PoolId(ref.pool_id), pages)
         return result
@@ -71,16 +75,24 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     # --- pools ------------------------------------------------------------------------------
     async def Attach(self, req: pb.AttachRequest, ctx: Ctx) -> pb.AttachReply:
+        local = self._sessions is not None and ctx.peer().startswith("unix:")
+
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
+            validate.layout(req.layout)
             validate.device(req.device, self._device)
             size = validate.page_size(req.page_size, self._page_size)
             slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
             prio = validate.default_priority(req.default_priority)
+            if self._device == "cpu" and not local:
+                raise FailedPrecondition(
+                    "CPU-mode pool memory is handed over the daemon's unix session socket: "
+                    "connect over unix://")
             pool = self._engine.attach(tenant, slots, size, default_priority=prio)
             log.info("attached pool %s: tenant=%s slots=%d layout=%r", pool.pool_id, tenant,
                      slots, req.layout[:200])
             reply = convert.attach_reply(pool, self._tenancy.instance)
+            self._lease(reply, tenant, int(pool.pool_id), pool.dev.fd, None)
             if self._lane is not None:
                 reply.fast_lane.path = self._lane.path
                 reply.fast_lane.capability = self._lane.grant(int(pool.pool_id), tenant)
@@ -93,12 +105,27 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
+            validate.layout(req.layout)
             prio = validate.default_priority(req.default_priority)
-            views = open_segments(req.segments, self._device)
+            tickets = None if self._sessions is None else self._sessions.tickets
+            views, session = open_segments(req.segments, self._device, tenant, tickets)
             pool = self._engine.register(tenant, views, default_priority=prio)
-            return convert.attach_reply(pool, self._tenancy.instance, registered=True)
+            reply = convert.attach_reply(pool, self._tenancy.instance, registered=True)
+            self._lease(reply, tenant, int(pool.pool_id), -1, session)
+            return reply
 
         return await self._run(ctx, call)
+
+    def _lease(self, reply: pb.AttachReply, tenant: str, pool_id: int, fd: int,
+               session: int | None) -> None:
+        """Bind the pool to the session that brought its memory (if any); issue its lease ticket
+        (redeemed for the memfd in CPU mode; kept by the client to renew its lease)."""
+        if self._sessions is None:
+            return
+        if session is not None:
+            self._sessions.bind(pool_id, session)
+        reply.lease.path = self._sessions.path
+        reply.lease.ticket = self._sessions.issue(tenant, pool_id, fd)
 
     async def Detach(self, req: pb.DetachRequest, ctx: Ctx) -> pb.DetachReply:
         def call() -> pb.DetachReply:
@@ -106,6 +133,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             self._engine.detach(pool_id)
             if self._lane is not None:
                 self._lane.revoke(int(pool_id))
+            if self._sessions is not None:
+                self._sessions.forget(int(pool_id))
             return pb.DetachReply()
 
         return await self._run(ctx, call)
@@ -209,26 +238,27 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     # --- operations -------------------------------------------------------------------------
     async def Stats(self, req: pb.StatsRequest, ctx: Ctx) -> pb.StatsReply:
-        def call() -> pb.StatsReply:
-            return convert.stats_reply(self._engine.stats(), self._version, self._tenancy.instance)
+        def call() -> pb.StatsReply:  # a tenant's own view; empty tenant: the daemon's
+            tenant = validate.tenant(req.tenant) if req.tenant else None
+            stats = self._engine.stats(tenant)
+            return convert.stats_reply(stats, self._version, self._tenancy.instance)
 
         return await self._run(ctx, call)
 
     async def WatchEvents(self, req: pb.WatchRequest, ctx: Ctx) -> AsyncIterator[pb.Event]:
-        def open_sub() -> Any:
+        def check() -> None:
             validate.tenant(req.tenant)
-            if req.pool_id:
+            if validate.non_negative(req.pool_id, "pool_id"):
                 self._tenancy.owned(pb.PoolRef(tenant=req.tenant, pool_id=req.pool_id))
-            return self._engine.subscribe()
 
-        sub = await self._run(ctx, open_sub)
-        sees = partial(self._tenancy.sees, req.tenant, req.pool_id)
+        await self._run(ctx, check)
         try:
-            while not self._draining.is_set():
-                ev = await self._run(ctx, lambda: sub.get(0.25))
-                if ev is None:
-                    continue
-                if await self._run(ctx, partial(sees, ev)):
-                    yield convert.event(ev)
+            watch = self._watches.open(req.tenant, req.pool_id)  # waits on the loop, no thread
+        except KVTierError as exc:
+            await ctx.abort(*status_for(exc))
+            raise  # unreachable: abort raises
+        try:
+            while (event := await watch.next()) is not None:
+                yield convert.event(event)
         finally:
-            sub.close()
+            self._watches.close(watch)

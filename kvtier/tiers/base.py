@@ -12,9 +12,10 @@ table maps pages to slots. Contracts:
       slot is an internal error (assert), detected before anything changes. Both are vectorised.
     * ``alloc(n) -> list[SlotIndex] | None`` / ``free(slots)``: the same on lists.
     * ``handle() -> PoolHandle``: what another process needs to map the pool (CUDA IPC handle on a
-      GPU, a shared-memory file path in CPU mode). ``close()`` releases the memory.
-    * On CUDA the memory is one device allocation; without CUDA it is a file in ``/dev/shm`` mapped
-      shared, so a second process can map the same bytes.
+      GPU, the sealed memfd in CPU mode; the daemon passes that over a unix socket, never a path).
+      ``close()`` releases the memory.
+    * On CUDA the memory is one device allocation; without CUDA it is a sealed memfd
+      (``tiers/memfd.py``) mapped shared, so a second process holding the fd maps the same bytes.
 
 ``HostArena`` (``tiers/pinned.py``) — the pinned CPU tier, shared by all pools.
     * Exact-size chunks (``chunk_bytes``, page-aligned, pinned with ``cudaHostRegister`` when CUDA
@@ -56,13 +57,13 @@ DiskSlot = NewType("DiskSlot", int)
 
 @dataclass(slots=True, frozen=True)
 class PoolHandle:
-    """How a second process maps a pool. ``kind`` is ``"cuda_ipc"`` or ``"shm"``."""
+    """How a second process maps a pool. ``kind`` is ``"cuda_ipc"`` or ``"memfd"``."""
 
     kind: str
     num_slots: int
     page_size: int
     device: str
-    shm_path: str = ""  # kind == "shm": file to mmap (MAP_SHARED), size num_slots * page_size
+    fd: int = -1  # kind == "memfd": sealed memfd of num_slots * page_size bytes (owner's fd)
     ipc: bytes = b""  # kind == "cuda_ipc": pickled torch storage handle (a capability: never log)
 
 

@@ -2,8 +2,9 @@
 
 Contract (see ``kvtier.tiers.base``):
     * ``DevicePool.allocate(num_slots, page_size, device)``: daemon-owned memory. ``"cuda:N"`` is
-      one ``torch.empty`` device allocation; ``"cpu"`` is a file ``kvtier-<uuid>`` in ``/dev/shm``
-      (else the temp dir) mapped shared, so a second process can map the same bytes.
+      one ``torch.empty`` device allocation; ``"cpu"`` is a sealed memfd (``tiers/memfd.py``)
+      mapped shared, so a second process given its descriptor maps the same bytes. No file name
+      exists anywhere: nothing is left behind by any exit, ``kill -9`` included.
     * ``DevicePool.from_segments(segments)``: engine-owned memory; each segment a 2-D ``uint8``
       tensor ``[num_slots, seg_bytes]`` with contiguous rows (row stride may exceed ``seg_bytes``).
       Such a pool has no ``handle()``: the engine that registered it already maps it.
@@ -15,7 +16,7 @@ Contract (see ``kvtier.tiers.base``):
     * ``gather_rows(slots) -> [len, page_size]`` and ``scatter_rows(slots, src)`` copy whole pages
       (the concatenation of each segment's row) on the pool's device.
     * ``handle()`` -> ``PoolHandle``; ``open_handle(handle)`` maps it in another process as a
-      ``[num_slots, page_size]`` tensor. ``close()`` drops the memory and unlinks the shm file;
+      ``[num_slots, page_size]`` tensor. ``close()`` drops the memory and closes the memfd;
       idempotent.
 CUDA handles are the pickled result of ``torch.multiprocessing.reductions.reduce_tensor`` (CUDA
 IPC memory handle + torch's cross-process ref counter). They are capabilities: never log them.
@@ -25,13 +26,10 @@ as the same user on the same GPU. All methods are thread-safe.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import pickle
-import tempfile
 import threading
-import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -39,11 +37,11 @@ import numpy as np
 import torch
 
 from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.tiers import memfd
 from kvtier.tiers.base import PoolHandle
 from kvtier.tiers.runs import as_slots, ascending
 from kvtier.types import SlotIndex
 
-_SHM_DIR = "/dev/shm"
 _MIN_SCAN = 1024  # mask bytes a take scans at least (one cheap numpy pass)
 _IPC_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
@@ -63,14 +61,14 @@ class DevicePool:
     """Fixed page slots of one pool; the engine's page table maps pages to these slots."""
 
     def __init__(
-        self, segments: list[torch.Tensor], *, shm_path: str = "", owned: bool = False
+        self, segments: list[torch.Tensor], *, fd: int = -1, owned: bool = False
     ) -> None:
         """Use ``allocate`` or ``from_segments``; this trusts already-validated segments."""
         self.segments = segments
         self.num_slots = segments[0].shape[0]
         self.page_size = sum(s.shape[1] for s in segments)
         self.device = str(segments[0].device)
-        self.shm_path = shm_path
+        self.fd = fd  # CPU mode: the pool's sealed memfd, closed by close()
         self.owned = owned
         self._is_free = np.ones(self.num_slots, dtype=np.bool_)
         self._num_free = self.num_slots
@@ -87,9 +85,13 @@ class DevicePool:
         if page_size <= 0:
             raise InvalidArgument("page_size", f"must be > 0, got {page_size}")
         if device == "cpu":
-            path = _new_shm_file(num_slots * page_size)
-            flat = torch.from_file(path, shared=True, size=num_slots * page_size, dtype=torch.uint8)
-            return cls([flat.view(num_slots, page_size)], shm_path=path, owned=True)
+            fd = memfd.create(num_slots * page_size, "kvtier-pool")
+            try:
+                flat = memfd.map_shared(fd, num_slots * page_size)
+            except (OSError, ValueError, RuntimeError):
+                os.close(fd)
+                raise
+            return cls([flat.view(num_slots, page_size)], fd=fd, owned=True)
         if not device.startswith("cuda"):
             raise InvalidArgument("device", f"expected 'cpu' or 'cuda:N', got {device!r}")
         data = torch.empty((num_slots, page_size), dtype=torch.uint8, device=device)
@@ -231,20 +233,21 @@ class DevicePool:
             raise FailedPrecondition("pool is closed")
         if not self.owned:
             raise FailedPrecondition("engine-registered pool: its memory is mapped by its owner")
-        kind = "shm" if self.shm_path else "cuda_ipc"
-        ipc = b"" if self.shm_path else _cuda_ipc_bytes(self.segments[0])
-        return PoolHandle(kind, self.num_slots, self.page_size, self.device, self.shm_path, ipc)
+        if self.fd >= 0:
+            return PoolHandle("memfd", self.num_slots, self.page_size, self.device, fd=self.fd)
+        ipc = _cuda_ipc_bytes(self.segments[0])
+        return PoolHandle("cuda_ipc", self.num_slots, self.page_size, self.device, ipc=ipc)
 
     def close(self) -> None:
-        """Drop the memory (views held elsewhere keep theirs alive) and unlink the shm file."""
+        """Drop the memory (views and descriptors held elsewhere keep theirs alive)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self.segments = []
-            if self.shm_path:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.shm_path)
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     @property
     def closed(self) -> bool:
@@ -260,29 +263,14 @@ class DevicePool:
 def open_handle(handle: PoolHandle) -> torch.Tensor:
     """Map a pool made by another process as a ``[num_slots, page_size]`` ``uint8`` tensor."""
     size = handle.num_slots * handle.page_size
-    if handle.kind == "shm":
-        flat = torch.from_file(handle.shm_path, shared=True, size=size, dtype=torch.uint8)
-        return flat.view(handle.num_slots, handle.page_size)
+    if handle.kind == "memfd":
+        memfd.check(handle.fd, size, "handle.fd")
+        return memfd.map_shared(handle.fd, size).view(handle.num_slots, handle.page_size)
     if handle.kind == "cuda_ipc":
         fn, args = _IpcUnpickler(io.BytesIO(handle.ipc)).load()
         tensor: torch.Tensor = fn(*args)
         return tensor.view(handle.num_slots, handle.page_size)
-    raise InvalidArgument("handle.kind", f"expected 'shm' or 'cuda_ipc', got {handle.kind!r}")
-
-
-def _new_shm_file(nbytes: int) -> str:
-    """Create a private (0600) file of ``nbytes`` for a shared mapping; return its path."""
-    base = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else tempfile.gettempdir()
-    path = os.path.join(base, f"kvtier-{uuid.uuid4().hex}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    except OSError:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    return path
+    raise InvalidArgument("handle.kind", f"expected 'memfd' or 'cuda_ipc', got {handle.kind!r}")
 
 
 def _cuda_ipc_bytes(tensor: torch.Tensor) -> bytes:

@@ -12,6 +12,7 @@ class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDLE_KIND_UNSPECIFIED: _ClassVar[HandleKind]
     HANDLE_KIND_CUDA_IPC: _ClassVar[HandleKind]
     HANDLE_KIND_SHM: _ClassVar[HandleKind]
+    HANDLE_KIND_MEMFD: _ClassVar[HandleKind]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_CUDA_IPC: HandleKind
 HANDLE_KIND_SHM: HandleKind
+HANDLE_KIND_MEMFD: HandleKind
 TIER_GPU: Tier
 TIER_CPU: Tier
 TIER_DISK: Tier
@@ -40,16 +42,14 @@ class PoolRef(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., pool_id: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "device", "shm_path", "ipc")
+    __slots__ = ("kind", "device", "ipc")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
     kind: HandleKind
     device: str
-    shm_path: str
     ipc: bytes
-    def __init__(self, kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ..., shm_path: _Optional[str] = ..., ipc: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ..., ipc: _Optional[bytes] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("tenant", "device", "page_size", "num_pages", "bytes", "layout", "default_priority")
@@ -70,20 +70,30 @@ class AttachRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., device: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., bytes: _Optional[int] = ..., layout: _Optional[str] = ..., default_priority: _Optional[float] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("pool_id", "page_size", "num_slots", "handle", "instance", "fast_lane")
+    __slots__ = ("pool_id", "page_size", "num_slots", "handle", "instance", "fast_lane", "lease")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     FAST_LANE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     page_size: int
     num_slots: int
     handle: PoolHandle
     instance: str
     fast_lane: FastLane
-    def __init__(self, pool_id: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., instance: _Optional[str] = ..., fast_lane: _Optional[_Union[FastLane, _Mapping]] = ...) -> None: ...
+    lease: Lease
+    def __init__(self, pool_id: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., instance: _Optional[str] = ..., fast_lane: _Optional[_Union[FastLane, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("path", "ticket")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    ticket: bytes
+    def __init__(self, path: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class FastLane(_message.Message):
     __slots__ = ("path", "capability")
@@ -94,20 +104,20 @@ class FastLane(_message.Message):
     def __init__(self, path: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("ipc", "shm_path", "num_slots", "slot_stride", "slot_bytes", "offset")
+    __slots__ = ("ipc", "memfd_ticket", "num_slots", "slot_stride", "slot_bytes", "offset")
     IPC_FIELD_NUMBER: _ClassVar[int]
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_TICKET_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     ipc: bytes
-    shm_path: str
+    memfd_ticket: bytes
     num_slots: int
     slot_stride: int
     slot_bytes: int
     offset: int
-    def __init__(self, ipc: _Optional[bytes] = ..., shm_path: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    def __init__(self, ipc: _Optional[bytes] = ..., memfd_ticket: _Optional[bytes] = ..., num_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("tenant", "segments", "layout", "default_priority")

@@ -1,37 +1,25 @@
-"""Register: the engine owns the KV memory (a /dev/shm file in CPU mode); the daemon adopts it."""
+"""Register: the engine owns the KV memory (a sealed memfd in CPU mode); the daemon adopts it."""
 
 from __future__ import annotations
 
-import os
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
-import torch
+from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon
-
-from kvtier.errors import InvalidArgument
 
 SLOTS = 4
 
 
-@pytest.fixture
-def shm_file() -> Iterator[str]:
-    path = f"/dev/shm/kvtier-test-{uuid.uuid4().hex}"
-    with open(path, "wb") as fh:
-        fh.truncate(2 * SLOTS * PAGE)
-    yield path
-    os.unlink(path)
-
-
-def test_register_two_segments_round_trip(spawn: Callable[..., Daemon], shm_file: str) -> None:
+def test_register_two_segments_round_trip(spawn: Callable[..., Daemon]) -> None:
     d = spawn()
-    flat = torch.from_file(shm_file, shared=True, size=2 * SLOTS * PAGE, dtype=torch.uint8)
+    mem = SharedMemory(2 * SLOTS * PAGE)
+    flat = mem.tensor
     half = PAGE // 2  # each page = half a row of segment 0 + half a row of segment 1
     seg0 = flat[: SLOTS * PAGE].view(SLOTS, PAGE)[:, :half]
     seg1 = flat[SLOTS * PAGE:].view(SLOTS, PAGE)[:, :half]
     with d.client("vllm") as c:
-        att = c.register([seg0, seg1], shm_paths=[shm_file, shm_file])
+        att = c.register([seg0, seg1], fds=[mem.fd, mem.fd])
+        mem.close()  # the daemon holds its own mapping now
         assert att.tensor is None and att.num_slots == SLOTS and att.page_size == PAGE
         # The engine owns its slots (it allocates them itself); the daemon stores and loads
         # keyed copies of them (prefix reuse).
@@ -46,12 +34,3 @@ def test_register_two_segments_round_trip(spawn: Callable[..., Daemon], shm_file
         for i, slot in enumerate(reversed(range(SLOTS))):
             assert bool((seg0[slot] == i + 1).all()) and bool((seg1[slot] == i + 101).all())
         c.detach(att)
-
-
-def test_register_refuses_paths_outside_dev_shm(spawn: Callable[..., Daemon], tmp_path: object
-                                                ) -> None:
-    d = spawn()
-    t = torch.zeros(SLOTS, PAGE, dtype=torch.uint8)
-    with d.client("vllm") as c, pytest.raises(InvalidArgument) as err:
-        c.register([t], shm_paths=["/etc/passwd"])
-    assert err.value.field == "segments[0].shm_path"

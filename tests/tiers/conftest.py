@@ -18,10 +18,12 @@ def python_env() -> dict[str, str]:
     return env
 
 
-def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, *args: str, timeout: float = 60,
+               pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter; fail the test with its stderr if it fails."""
     proc = subprocess.run(
         [sys.executable, "-c", code, *args],
+        pass_fds=pass_fds,
         cwd=REPO,
         env=python_env(),
         capture_output=True,

@@ -72,13 +72,17 @@ def test_double_free_is_an_internal_error(pool: DevicePool) -> None:
         pool.free(slots(8))
 
 
-def test_shm_file_lives_until_close(pool: DevicePool) -> None:
-    path = pool.handle().shm_path
-    assert os.path.basename(path).startswith("kvtier-")
-    assert os.path.getsize(path) == 8 * PAGE
+def test_cpu_pool_is_a_sealed_memfd_without_a_name(pool: DevicePool) -> None:
+    fd = pool.handle().fd
+    assert os.fstat(fd).st_size == 8 * PAGE
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvtier-pool")
+    for size in (0, PAGE, 16 * PAGE):  # neither shrinks nor grows: no SIGBUS for any mapper
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, size)
     pool.close()
     pool.close()  # idempotent
-    assert not os.path.exists(path)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the pool's descriptor is closed
     with pytest.raises(FailedPrecondition):
         pool.handle()
 
@@ -94,7 +98,8 @@ def test_second_process_sees_bytes_both_ways(pool: DevicePool) -> None:
         "print(t.shape[0], t.shape[1], int(t[3].sum()), t[5, :10].tolist())\n"
         "t[6].fill_(7)\n"
     )
-    out = run_python(code, pickle.dumps(handle).hex()).stdout.split(maxsplit=3)
+    out = run_python(code, pickle.dumps(handle).hex(), pass_fds=(handle.fd,))
+    out = out.stdout.split(maxsplit=3)
     assert out[:3] == ["8", str(PAGE), str(0xAB * PAGE)]
     assert out[3].strip() == str(list(range(10)))
     assert torch.all(pool.segments[0][6] == 7)  # the child's write landed in our mapping
@@ -152,6 +157,8 @@ def test_allocate_rejects_bad_arguments() -> None:
         DevicePool.allocate(1, PAGE, "tpu")
     with pytest.raises(InvalidArgument):
         open_handle(PoolHandle("nfs", 1, PAGE, "cpu"))
+    with pytest.raises(FailedPrecondition):  # a descriptor that is not a sealed memfd
+        open_handle(PoolHandle("memfd", 1, PAGE, "cpu", fd=0))
 
 
 def test_ipc_unpickler_refuses_foreign_globals() -> None:

@@ -1,0 +1,270 @@
+"""The session socket: pool memory handed over as file descriptors, and the pools' leases.
+
+gRPC can't carry descriptors, so a unix socket beside each unix gRPC listener (``<socket>.fd``,
+mode 0660) does. A client keeps one connection open for its lifetime: that is its *session*.
+
+Frames (little endian), one request then one reply, any number per connection:
+    request:  op u8 | tenant_len u8 | ticket 32 bytes | tenant (tenant_len bytes, UTF-8)
+    reply:    status u8 | ticket 32 bytes
+``op`` 1 REDEEM: the ticket of an Attach/Register reply. OK: the pool is now this session's; for
+a CPU-mode pool the reply carries its sealed memfd (SCM_RIGHTS). ``op`` 2 DEPOSIT: the request
+carries exactly one descriptor (a sealed memfd to Register); OK: the reply's ticket names it in
+``Segment.memfd_ticket``. ``op`` 3 RENEW: a ticket this client redeemed before, sent on a new
+connection after its old one broke: OK when the pool's session closed less than the grace ago
+(the pool now belongs to this session; no memory comes with it). ``status``: 0 OK, 1 DENIED
+(unknown, used, expired or another tenant's ticket), 2 REFUSED (a deposit without exactly one
+descriptor, or too many unredeemed deposits). Any other op, a bad tenant or a descriptor flood
+closes the connection; descriptors that come with a frame that does not use them are closed.
+Tickets never appear in logs.
+
+Leases: when a session's connection closes (the client exited, ``kill -9`` included) its pools
+are detached after ``lease_s`` (0: at once); keyed pages stay. A connection that sends garbage,
+nothing, or hangs up holds no pool and leaves nothing behind (its deposits are closed).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from kvtier.errors import KVTierError
+
+from .leases import Leases
+from .tickets import TICKET_BYTES, Tickets
+
+log = logging.getLogger(__name__)
+REQUEST = struct.Struct(f"<BB{TICKET_BYTES}s")
+REPLY = struct.Struct(f"<B{TICKET_BYTES}s")
+REDEEM, DEPOSIT, RENEW = 1, 2, 3
+OK, DENIED, REFUSED = 0, 1, 2
+MAX_TENANT = 128
+MAX_CONNS = 1024
+_FDS_PER_READ = 4  # descriptors one read accepts; the kernel closes any beyond this
+_SWEEP_S = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    sock: socket.socket
+    session: int
+    buf: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+
+
+class FdExchange:
+    """Tickets, leases and the listener; ``detach(pool_id)`` runs on ``executor`` threads."""
+
+    def __init__(self, paths: list[str], *, lease_s: float, detach: Callable[[int], None],
+                 executor: Executor, ttl: float = 30.0) -> None:
+        self.paths, self.path, self.lease_s = paths, paths[0], lease_s
+        self.tickets, self.leases = Tickets(ttl), Leases()
+        self._detach, self._executor = detach, executor
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[socket.socket] = []
+        self._conns: set[_Conn] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    # --- called by the servicer (worker threads) -----------------------------------------------
+    def issue(self, tenant: str, pool_id: int, fd: int) -> bytes:
+        return self.tickets.issue(tenant, pool_id, fd)
+
+    def bind(self, pool_id: int, session: int) -> None:
+        if not self.leases.bind(pool_id, session) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._orphaned, [pool_id])
+
+    def forget(self, pool_id: int) -> None:
+        self.leases.forget(pool_id)
+        self.tickets.forget_pool(pool_id)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for path in self.paths:
+            if os.path.exists(path):
+                os.unlink(path)  # stale socket of a crashed daemon
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            os.chmod(path, 0o660)
+            sock.listen(128)
+            sock.setblocking(False)
+            self._listeners.append(sock)
+            self._loop.add_reader(sock, self._accept, sock)
+        self._sweeper = self._loop.call_later(_SWEEP_S, self._sweep)
+
+    async def stop(self) -> None:
+        """Close every session without reaping (the daemon is going away with all its pools)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for conn in list(self._conns):
+            self._close(conn, reap=False)
+        for sock, path in zip(self._listeners, self.paths, strict=False):
+            if self._loop is not None:
+                self._loop.remove_reader(sock)
+            sock.close()
+            if os.path.exists(path):
+                os.unlink(path)
+        self._listeners = []
+        self.tickets.close()
+
+    # --- connections ----------------------------------------------------------------------------
+    def _accept(self, listener: socket.socket) -> None:
+        assert self._loop is not None
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # out of descriptors: refuse this one, keep serving
+            log.warning("session socket: accept failed: %s", exc)
+            return
+        if len(self._conns) >= MAX_CONNS:
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, self.leases.open())
+        self._conns.add(conn)
+        self._loop.add_reader(sock, self._readable, conn)
+
+    def _readable(self, conn: _Conn) -> None:
+        try:
+            data, anc, _, _ = conn.sock.recvmsg(
+                4096, socket.CMSG_SPACE(_FDS_PER_READ * 4), socket.MSG_CMSG_CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, anc = b"", []
+        conn.fds.extend(_fds_of(anc))
+        if not data or len(conn.fds) > _FDS_PER_READ:
+            self._close(conn)
+            return
+        conn.buf += data
+        while self._frame(conn):
+            pass
+
+    def _frame(self, conn: _Conn) -> bool:
+        """Answer one complete frame; ``False`` when none is complete or the connection closed."""
+        if len(conn.buf) < REQUEST.size:
+            return False
+        op, tlen, ticket = REQUEST.unpack_from(conn.buf)
+        end = REQUEST.size + tlen
+        if op not in (REDEEM, DEPOSIT, RENEW) or not 0 < tlen <= MAX_TENANT:
+            self._close(conn)
+            return False
+        if len(conn.buf) < end:
+            return False
+        try:
+            tenant = bytes(conn.buf[REQUEST.size:end]).decode()
+        except UnicodeDecodeError:
+            self._close(conn)
+            return False
+        del conn.buf[:end]
+        fds, conn.fds = conn.fds, []
+        status, out, fd = self._answer(op, tenant, ticket, fds, conn.session)
+        return self._reply(conn, REPLY.pack(status, out), fd)
+
+    def _answer(self, op: int, tenant: str, ticket: bytes, fds: list[int],
+                session: int) -> tuple[int, bytes, int]:
+        """(status, ticket, descriptor to send or -1); closes every descriptor it does not keep."""
+        if op == DEPOSIT:
+            if len(fds) != 1:
+                _close_all(fds)
+                return REFUSED, bytes(TICKET_BYTES), -1
+            got = self.tickets.deposit(tenant, fds[0], session)
+            return (OK, got, -1) if got is not None else (REFUSED, bytes(TICKET_BYTES), -1)
+        _close_all(fds)
+        if op == RENEW:
+            pool = self.tickets.renewable(ticket, tenant)
+            ok = pool is not None and self.leases.rebind(pool, session)
+            return (OK if ok else DENIED), bytes(TICKET_BYTES), -1
+        redeemed = self.tickets.redeem(ticket, tenant)
+        if redeemed is None:
+            return DENIED, bytes(TICKET_BYTES), -1
+        pool_id, fd = redeemed
+        self.bind(pool_id, session)
+        return OK, bytes(TICKET_BYTES), fd
+
+    def _reply(self, conn: _Conn, frame: bytes, fd: int) -> bool:
+        try:
+            anc = [] if fd < 0 else [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", [fd]))]
+            sent = conn.sock.sendmsg([frame], anc)
+        except OSError:
+            sent = -1  # a client that does not read its replies: hang up on it
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if sent != len(frame):
+            self._close(conn)
+            return False
+        return True
+
+    def _close(self, conn: _Conn, *, reap: bool = True) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        if self._loop is not None:
+            self._loop.remove_reader(conn.sock)
+        conn.sock.close()
+        _close_all(conn.fds)
+        conn.fds = []
+        self.tickets.drop_conn(conn.session)
+        pools = self.leases.close(conn.session)
+        if reap and pools:
+            self._orphaned(pools)
+
+    # --- leases ---------------------------------------------------------------------------------
+    def _orphaned(self, pools: list[int]) -> None:
+        assert self._loop is not None
+        if self.lease_s == 0:
+            self._reap(pools)
+        else:
+            self._loop.call_later(self.lease_s, self._reap, pools)
+
+    def _reap(self, pools: list[int]) -> None:
+        for pool_id in self.leases.reap(pools):
+            self.tickets.forget_pool(pool_id)
+            self._detach_later(pool_id, "its client's session closed")
+
+    def _sweep(self) -> None:
+        assert self._loop is not None
+        for pool_id in self.tickets.expire():
+            self._detach_later(pool_id, "its ticket expired unredeemed")
+        self._sweeper = self._loop.call_later(_SWEEP_S, self._sweep)
+
+    def _detach_later(self, pool_id: int, why: str) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.run_in_executor(self._executor, self._detach_quietly, pool_id, why)
+        except RuntimeError:
+            return  # the daemon is shutting down: every pool goes with it
+
+    def _detach_quietly(self, pool_id: int, why: str) -> None:
+        try:
+            self._detach(pool_id)
+        except KVTierError:
+            return  # already detached by its client, or the engine is closing
+        log.info("detached pool %d: %s", pool_id, why)
+
+
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+    return fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def session_paths(addrs: list[str]) -> list[str]:
+    """Beside each unix listener; none for TCP-only daemons (no sessions, no CPU-mode pools)."""
+    return [a[len("unix://"):] + ".fd" for a in addrs if a.startswith("unix://")]
