@@ -41,7 +41,7 @@ time.sleep(600)
 
 def pools(d: Daemon) -> int:
     with d.client("observer") as c:
-        return int(c.stats().pools)
+        return int(c.stats(whole=True).pools)
 
 
 def wait_pools(d: Daemon, n: int, timeout: float = 30.0) -> None:
