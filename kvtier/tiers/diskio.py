@@ -75,3 +75,23 @@ def probe_direct(directory: str) -> bool:
         buf.close()
         if os.path.exists(probe):
             os.unlink(probe)
+
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+
+
+def private_dir(path: str) -> None:
+    """Create ``path`` as 0700 whatever the umask; an existing directory loses every "other" bit
+    and group write (it lists tenants' keys), so it ends at most 0750."""
+    os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
+    mode = os.stat(path).st_mode & 0o7777
+    if mode & 0o027:
+        os.chmod(path, mode & 0o750)
+
+
+def private_fd(fd: int) -> None:
+    """An open file of the tier: no "other" bits and no group write, whatever made it."""
+    mode = os.fstat(fd).st_mode & 0o7777
+    if mode & 0o027:
+        os.fchmod(fd, mode & 0o640)
