@@ -25,6 +25,7 @@ A record is applied in file order: a put (re)binds its slot to a record, a drop 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -67,10 +68,8 @@ def remove_before(directory: str, generation: int) -> None:
     """Delete journal files older than ``generation`` (a saved snapshot contains them)."""
     for gen, path in journal_files(directory):
         if gen < generation:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 def frame(doc: dict[str, object]) -> bytes:

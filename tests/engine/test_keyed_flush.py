@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier import TierEngine, Tier
+from kvtier import Tier, TierEngine
 from tests.conftest import PAGE, small_config
 
 
