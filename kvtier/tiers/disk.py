@@ -13,13 +13,13 @@ Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io,
       counts ``counters.checksum_failures``; an unwritten slot returns ``False``.
     * ``set_record``/``clear_record``/``records`` manage the persisted records of written slots;
       ``free`` drops a slot's record. Every change is appended to the index journal
-      (``kvtier.tiers.disk_journal``: group-committed every 20 ms), so a record set more than
-      ~100 ms before a kill -9 survives it. ``persist`` syncs the journal and compacts it into a
-      new snapshot (``index.json``, written atomically) once it outgrows the live records;
-      ``compact`` always does. On open the snapshot and the journal are replayed (a torn tail is
-      ignored) and compacted; records whose slot lies past the end of its file or whose fields are
-      malformed are dropped and counted in ``counters.dropped_records``; surviving records' slots
-      stay allocated.
+      (``kvtier.tiers.disk_journal``: in the file within 10 ms, group-committed every 50 ms), so
+      a record set more than ~100 ms before a kill -9 survives it. ``persist`` syncs the journal
+      and compacts it into a new snapshot (``index.json``, written atomically) once it outgrows
+      the live records; ``compact`` always does. On open the snapshot and the journal are
+      replayed (a torn tail is ignored) and compacted; records whose slot lies past the end of its
+      file or whose fields are malformed are dropped and counted in ``counters.dropped_records``;
+      surviving records' slots stay allocated.
     * Files are private whatever the umask: the directory is created 0700 (an existing one loses
       group write and every "other" bit), slot files, journal and snapshot are 0600.
     * ``close`` waits for queued I/O, compacts and closes files; idempotent.

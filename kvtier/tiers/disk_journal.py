@@ -3,9 +3,10 @@
 Contract:
     * ``Journal(directory, generation)`` appends to ``journal-<generation>.log`` (mode 0600).
       ``put``/``drop`` only buffer a record (cheap, called under the disk store's lock); a
-      background thread writes the buffer out and ``fdatasync``s it every ``sync_s`` seconds
-      (group commit), so a record reaches the file within about ``sync_s`` of being appended and
-      the disk itself one ``fdatasync`` later. ``sync`` does both at once.
+      background thread writes the buffer into the file every ``write_s`` seconds (10 ms: from
+      then on a kill -9 of the process can't lose it, the kernel holds it) and ``fdatasync``s the
+      file every ``sync_s`` seconds while it has unsynced records (50 ms: group commit; from then
+      on a power loss can't lose it either). ``sync`` does both at once.
     * The caller appends a put only after its page's bytes are durable (the store records a
       checksum only after ``fdatasync`` of the data), so a replayed put never names bytes that
       were not written; replayed pages are still verified by their checksum on every read.
@@ -32,6 +33,7 @@ import os
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 import xxhash
@@ -45,7 +47,8 @@ VERSION = 1
 HEADER = struct.Struct("<4sHHQ")
 FRAME = struct.Struct("<IQ")
 MAX_PAYLOAD = 64 * 1024
-SYNC_S = 0.02  # group commit interval: well inside the 100 ms a kill may lose
+WRITE_S = 0.01  # buffer -> file: well inside the 100 ms a kill may lose
+SYNC_S = 0.05  # file -> disk (group commit): one journal fdatasync per 50 ms at most
 _NAME_RE = re.compile(r"^journal-(\d+)\.log$")
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,9 @@ def frame(doc: dict[str, object]) -> bytes:
 class Journal:
     """One writer of the journal files of a disk directory (thread-safe)."""
 
-    def __init__(self, directory: str, generation: int, sync_s: float = SYNC_S) -> None:
+    def __init__(
+        self, directory: str, generation: int, write_s: float = WRITE_S, sync_s: float = SYNC_S
+    ) -> None:
         self.directory = directory
         self.generation = generation
         self.appended = 0  # records since the last rotate
@@ -90,7 +95,7 @@ class Journal:
         self._dirty = False
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._loop, args=(sync_s,), name="kvtier-journal", daemon=True
+            target=self._loop, args=(write_s, sync_s), name="kvtier-journal", daemon=True
         )
         self._thread.start()
 
@@ -164,9 +169,15 @@ class Journal:
             os.write(fd, HEADER.pack(MAGIC, VERSION, 0, generation))
         return fd
 
-    def _loop(self, sync_s: float) -> None:
-        while not self._stop.wait(sync_s):
-            self.sync()
+    def _loop(self, write_s: float, sync_s: float) -> None:
+        synced = time.monotonic()
+        while not self._stop.wait(write_s):
+            if time.monotonic() - synced >= sync_s:
+                self.sync()
+                synced = time.monotonic()
+            else:
+                with self._lock:
+                    self._write_out()
 
 
 @dataclass(slots=True)

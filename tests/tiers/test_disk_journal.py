@@ -37,7 +37,7 @@ assert store.write(PS, slots, data).result() == [True] * 8
 for i, s in enumerate(slots):
     store.set_record(PS, s, DiskRecord(bytes([i]), "t", meta={"i": i}))
 store.clear_record(PS, slots[7])
-time.sleep(0.1)  # the group commit runs every 20 ms
+time.sleep(0.1)  # the journal writes its buffer out every 10 ms
 print("recorded", flush=True)
 time.sleep(600)
 """
