@@ -1,12 +1,13 @@
 """Shutdown flush: keyed pages in the CPU tier go to disk so a clean restart finds them.
 
 Contract: ``flush_keyed(core, seconds)`` runs while the engine closes, before the scheduler stops.
-With a disk tier, every settled, unprotected keyed page in the CPU tier is moved to disk (no
-admission rule: the alternative is losing it), using free disk slots first, then room made by the
-disk policy (only keyed pages survive a restart, so nothing of value is given up for them). It
-waits at most ``seconds``: moves still queued then are cancelled (their pages stay in the CPU tier
-and die with the process). Pages that don't reach the disk are counted as ``shutdown`` drops and
-logged. The disk store journals the records of the pages that land, so they survive the exit.
+With a disk tier (and disk admission other than ``never``), every settled, unprotected keyed page
+in the CPU tier is moved to disk (the admission rule is not asked: the alternative is losing it),
+using free disk slots first, then room made by the disk policy (only keyed pages survive a
+restart, so little of value is given up for them). It waits at most ``seconds``: moves still
+queued then are cancelled (their pages stay in the CPU tier and die with the process). Pages that
+don't reach the disk are counted as ``shutdown`` drops and logged. The disk store journals the
+records of the pages that land, so they survive the exit.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class FlushResult:
 
 def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
     """Move keyed CPU-tier pages to disk within ``seconds`` (see the module contract)."""
-    if core.disk is None:
+    if core.disk is None or core.config.disk_admission == "never":
         return FlushResult(0, 0, 0)
     deadline = time.monotonic() + max(0.0, seconds)
     t = core.table

@@ -72,3 +72,14 @@ def test_without_a_disk_close_has_nothing_to_flush(tmp_path) -> None:
     stored(engine, 4)
     engine.close(grace=5)
     assert "shutdown" not in engine.stats().counters.drops
+
+
+def test_admission_never_writes_nothing_at_close(tmp_path) -> None:
+    engine = TierEngine(small_config(tmp_path, disk_admission="never"))
+    keys, _ = stored(engine, 4)
+    engine.close(grace=5)
+    again = TierEngine(small_config(tmp_path, disk_admission="never"))
+    try:
+        assert again.lookup("t", keys) == []
+    finally:
+        again.close(grace=5)
