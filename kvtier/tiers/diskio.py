@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 ALIGN = 4096
+log = logging.getLogger(__name__)
 
 
 def cbuf(ptr: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
@@ -83,11 +85,15 @@ PRIVATE_FILE = 0o600
 
 def private_dir(path: str) -> None:
     """Create ``path`` as 0700 whatever the umask; an existing directory loses every "other" bit
-    and group write (it lists tenants' keys), so it ends at most 0750."""
+    and group write (it lists tenants' keys), so it ends at most 0750. A directory this process
+    may use but not chmod (another owner) is used as it is, with a warning."""
     os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
     mode = os.stat(path).st_mode & 0o7777
     if mode & 0o027:
-        os.chmod(path, mode & 0o750)
+        try:
+            os.chmod(path, mode & 0o750)
+        except PermissionError:
+            log.warning("disk tier directory %s is mode %o and not ours to tighten", path, mode)
 
 
 def private_fd(fd: int) -> None:
