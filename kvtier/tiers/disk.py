@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import heapq
-import logging
 import mmap
 import os
 import re
@@ -62,7 +61,6 @@ from kvtier.tiers.diskio import (
 _FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
 _MIB = 1 << 20
 COMPACT_RECORDS = 65536  # journal records before a persist compacts (or the live count, if more)
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -330,11 +328,6 @@ class DiskStore:
         snapshot, dropped, generation = load_index(self.path)
         found = replay(self.path, snapshot, generation)
         dropped += found.dropped
-        if found.records or found.torn_bytes:
-            log.info(
-                "disk index: %d journal records replayed, %d torn bytes ignored",
-                found.records, found.torn_bytes,
-            )
         for ps, slot, rec in found.entries:
             sf = self._files.get(ps)
             if sf is None or slot >= sf.nslots:

@@ -203,6 +203,11 @@ def replay(directory: str, entries: list[IndexEntry], generation: int) -> Replay
             data = fh.read()
         _apply_file(data, gen, state, out)
     out.entries = [state[k] for k in sorted(state)]
+    if out.records or out.torn_bytes:
+        log.info(
+            "disk index: %d journal records replayed, %d torn bytes ignored",
+            out.records, out.torn_bytes,
+        )
     return out
 
 
