@@ -8,16 +8,19 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk_index import load_index
-from kvtier.tiers.disk_journal import frame, journal_files
+from kvtier.tiers.disk_journal import FRAME, HEADER, Journal, frame, journal_files, replay
 
 from .conftest import REPO, python_env
 
@@ -129,7 +132,7 @@ def test_journal_older_than_the_snapshot_is_not_replayed(tmp_path: Path) -> None
     snapshot_gen = load_index(str(tmp_path))[2]
     # a crash between saving a snapshot and deleting the journal it contains leaves this behind
     stale = tmp_path / f"journal-{snapshot_gen - 1}.log"
-    from kvtier.tiers.disk_journal import HEADER, MAGIC, VERSION
+    from kvtier.tiers.disk_journal import MAGIC, VERSION
 
     stale.write_bytes(
         HEADER.pack(MAGIC, VERSION, 0, snapshot_gen - 1)
@@ -178,3 +181,69 @@ def test_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
     assert any(n.startswith("journal-") for n in names)
     for p in (tmp_path / "fresh").iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p.name
+
+
+OPS = st.lists(
+    st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, (1 << 64) - 1)), max_size=30
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=OPS, cut=st.floats(0, 1), garbage=st.binary(max_size=24))
+def test_replay_of_any_cut_matches_a_dict_model(
+    ops: list[tuple[bool, int, int]], cut: float, garbage: bytes
+) -> None:
+    """Cutting the journal anywhere (plus garbage) replays exactly the records wholly before the
+    cut, applied in order to a plain dict."""
+    with tempfile.TemporaryDirectory() as d:
+        j = Journal(d, 1)
+        for put, slot, checksum in ops:
+            if put:
+                j.put(PS, DiskSlot(slot), DiskRecord(b"k%d" % slot, "t", checksum))
+            else:
+                j.drop(PS, DiskSlot(slot))
+        j.close()
+        [(_, path)] = journal_files(d)
+        data = Path(path).read_bytes()
+        ends, pos = [], HEADER.size
+        while pos < len(data):
+            pos += FRAME.size + FRAME.unpack_from(data, pos)[0]
+            ends.append(pos)
+        keep = int(cut * len(data))
+        Path(path).write_bytes(data[:keep] + garbage)
+        model: dict[int, int] = {}
+        for (put, slot, checksum), end in zip(ops, ends, strict=True):
+            if end > keep:
+                break
+            if put:
+                model[slot] = checksum
+            else:
+                model.pop(slot, None)
+        got = replay(d, [], 1).entries
+        assert {int(s): r.checksum for _, s, r in got} == model
+        assert all(r.key == b"k%d" % s for _, s, r in got)
+
+
+def test_persist_compacts_only_a_journal_that_outgrew_the_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvtier.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "COMPACT_RECORDS", 4)
+    with DiskStore(tmp_path, 1 << 24) as store:
+        slots = store.alloc(PS, 2)
+        assert slots is not None
+        assert store.write(PS, slots, original(2)).result(timeout=10) == [True, True]
+        [(first, _)] = journal_files(str(tmp_path))
+        for _ in range(2):
+            for i, s in enumerate(slots):
+                store.set_record(PS, s, DiskRecord(bytes([i]), "t", meta={"i": i}))
+        store.persist()  # 4 records: not more than 4, kept
+        assert [g for g, _ in journal_files(str(tmp_path))] == [first]
+        store.set_record(PS, slots[0], DiskRecord(b"\x00", "t", meta={"i": 0}))
+        store.persist()  # 5 records: folded into a snapshot
+        [(gen, path)] = journal_files(str(tmp_path))
+        assert gen == first + 1 and os.path.getsize(path) == HEADER.size
+        assert len(load_index(str(tmp_path))[0]) == 2
+    with DiskStore(tmp_path, 1 << 24) as store:
+        check_pages(store, 2)
