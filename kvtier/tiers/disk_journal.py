@@ -47,6 +47,7 @@ VERSION = 1
 HEADER = struct.Struct("<4sHHQ")
 FRAME = struct.Struct("<IQ")
 MAX_PAYLOAD = 64 * 1024
+MAX_BUFFER = 16 << 20  # bytes of records waiting for a file that refuses writes
 WRITE_S = 0.01  # buffer -> file: well inside the 100 ms a kill may lose
 SYNC_S = 0.05  # file -> disk (group commit): one journal fdatasync per 50 ms at most
 _NAME_RE = re.compile(r"^journal-(\d+)\.log$")
@@ -89,6 +90,7 @@ class Journal:
         self.directory = directory
         self.generation = generation
         self.appended = 0  # records since the last rotate
+        self.lost = 0  # records not buffered because the file refused writes
         self._lock = threading.Lock()
         self._buf = bytearray()
         self._fd = self._open(generation)
@@ -108,6 +110,11 @@ class Journal:
     def _append(self, doc: dict[str, object]) -> None:
         rec = frame(doc)
         with self._lock:
+            if len(self._buf) > MAX_BUFFER:  # the file refuses writes: don't grow without bound
+                if not self.lost:
+                    log.error("journal buffer full: records are lost until writes succeed")
+                self.lost += 1  # a lost put is a miss after a restart, a lost drop a checksum miss
+                return
             self._buf += rec
             self.appended += 1
 
