@@ -26,6 +26,7 @@ from kvtier.tiers.diskio import PRIVATE_FILE, private_fd
 INDEX_NAME = "index.json"
 _VERSION = 1
 _MAX_U64 = (1 << 64) - 1
+MAX_GENERATION = 10**18  # journal generations (decimal file names of at most 18 digits)
 log = logging.getLogger(__name__)
 
 IndexEntry = tuple[int, DiskSlot, DiskRecord]  # (page_size, slot, record)
@@ -66,7 +67,11 @@ def load_index(directory: str) -> tuple[list[IndexEntry], int, int]:
         return [], 0, 0
     raw = doc.get("records") if isinstance(doc, dict) else None
     journal = doc.get("journal", 0) if isinstance(doc, dict) else 0
-    if not isinstance(raw, list) or doc.get("version") != _VERSION or not _is_int(journal):
+    if (
+        not isinstance(raw, list)
+        or doc.get("version") != _VERSION
+        or not (_is_int(journal) and 0 <= journal < MAX_GENERATION)
+    ):
         log.warning("disk index has an unknown layout, starting empty")
         return [], len(raw) if isinstance(raw, list) else 0, 0
     entries: list[IndexEntry] = []
@@ -79,7 +84,7 @@ def load_index(directory: str) -> tuple[list[IndexEntry], int, int]:
             continue
         seen.add((entry[0], entry[1]))
         entries.append(entry)
-    return entries, dropped, max(0, journal)
+    return entries, dropped, journal
 
 
 def encode_entry(page_size: int, slot: DiskSlot, rec: DiskRecord) -> dict[str, Any]:

@@ -50,7 +50,7 @@ MAX_PAYLOAD = 64 * 1024
 MAX_BUFFER = 16 << 20  # bytes of records waiting for a file that refuses writes
 WRITE_S = 0.01  # buffer -> file: well inside the 100 ms a kill may lose
 SYNC_S = 0.05  # file -> disk (group commit): one journal fdatasync per 50 ms at most
-_NAME_RE = re.compile(r"^journal-(\d+)\.log$")
+_NAME_RE = re.compile(r"^journal-(\d{1,18})\.log$")  # generations stay far below 2**64
 log = logging.getLogger(__name__)
 
 

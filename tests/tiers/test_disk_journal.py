@@ -3,6 +3,7 @@ drops replay, old generations are skipped, and the tier's files are private what
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -247,3 +248,20 @@ def test_persist_compacts_only_a_journal_that_outgrew_the_records(
         assert len(load_index(str(tmp_path))[0]) == 2
     with DiskStore(tmp_path, 1 << 24) as store:
         check_pages(store, 2)
+
+
+def test_out_of_range_generations_are_not_trusted(tmp_path: Path) -> None:
+    with DiskStore(tmp_path, 1 << 24) as store:
+        slots = store.alloc(PS, 2)
+        assert slots is not None
+        assert store.write(PS, slots, original(2)).result(timeout=10) == [True, True]
+        for i, s in enumerate(slots):
+            store.set_record(PS, s, DiskRecord(bytes([i]), "t", meta={"i": i}))
+    (tmp_path / f"journal-{'9' * 30}.log").write_bytes(b"junk")  # not a journal name
+    with DiskStore(tmp_path, 1 << 24) as store:
+        check_pages(store, 2)
+    doc = json.loads((tmp_path / "index.json").read_text())
+    (tmp_path / "index.json").write_text(json.dumps({**doc, "journal": 1 << 64}))
+    with DiskStore(tmp_path, 1 << 24) as store:  # the snapshot is distrusted, the daemon starts
+        assert store.records() == []
+        assert store.counters.dropped_records == 2
