@@ -48,12 +48,11 @@ from kvtier.tiers.disk_index import load_index, save_index
 from kvtier.tiers.disk_journal import Journal, remove_before, replay
 from kvtier.tiers.diskio import (
     ALIGN,
-    PRIVATE_FILE,
     cbuf,
     coalesce,
     extend,
+    open_private,
     private_dir,
-    private_fd,
     probe_direct,
     view,
 )
@@ -266,6 +265,10 @@ class DiskStore:
             if f is not None and f.records.pop(slot, None) is not None:
                 self._journal.drop(page_size, slot)
 
+    def write_records(self) -> None:
+        """The records set so far are in the journal file: a kill -9 can't lose them now."""
+        self._journal.write_out()
+
     def records(self) -> list[tuple[int, DiskSlot, DiskRecord]]:
         """``(page_size, slot, record)`` for every recorded slot."""
         with self._lock:
@@ -348,9 +351,8 @@ class DiskStore:
         f = self._files.get(page_size)
         if f is None:
             name = os.path.join(self.path, f"pages-{page_size}.dat")
-            flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
-            f = _SlotFile(page_size, os.open(name, flags, PRIVATE_FILE))
-            private_fd(f.fd)
+            flags = os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
+            f = _SlotFile(page_size, open_private(name, flags))
             self._files[page_size] = f
         return f
 

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from kvtier.tiers.base import DiskRecord, DiskSlot
-from kvtier.tiers.diskio import PRIVATE_FILE, private_fd
+from kvtier.tiers.diskio import open_private
 
 INDEX_NAME = "index.json"
 _VERSION = 1
@@ -41,8 +41,7 @@ def save_index(directory: str, entries: list[IndexEntry], journal: int = 0) -> N
     }
     final = os.path.join(directory, INDEX_NAME)
     tmp = final + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
-    private_fd(fd)  # a stale temp file keeps its old mode through O_CREAT
+    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
     with open(fd, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, separators=(",", ":"))
         fh.flush()

@@ -40,7 +40,7 @@ import xxhash
 
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.disk_index import IndexEntry, decode_entry, encode_entry
-from kvtier.tiers.diskio import PRIVATE_FILE, private_fd
+from kvtier.tiers.diskio import open_private
 
 MAGIC = b"KVTJ"
 VERSION = 1
@@ -118,6 +118,11 @@ class Journal:
             self._buf += rec
             self.appended += 1
 
+    def write_out(self) -> None:
+        """Every record appended so far is in the file (a kill -9 can't lose it from now on)."""
+        with self._lock:
+            self._write_out()
+
     def sync(self) -> None:
         """Every record appended so far is in the file and on the disk."""
         with self._lock:
@@ -170,8 +175,7 @@ class Journal:
 
     def _open(self, generation: int) -> int:
         path = os.path.join(self.directory, journal_name(generation))
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE)
-        private_fd(fd)
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND)
         if os.fstat(fd).st_size == 0:
             os.write(fd, HEADER.pack(MAGIC, VERSION, 0, generation))
         return fd
@@ -183,8 +187,7 @@ class Journal:
                 self.sync()
                 synced = time.monotonic()
             else:
-                with self._lock:
-                    self._write_out()
+                self.write_out()
 
 
 @dataclass(slots=True)

@@ -96,6 +96,13 @@ def private_dir(path: str) -> None:
             log.warning("disk tier directory %s is mode %o and not ours to tighten", path, mode)
 
 
+def open_private(path: str, flags: int) -> int:
+    """``os.open(path, flags | O_CREAT)`` of a tier file, made private (``private_fd``)."""
+    fd = os.open(path, flags | os.O_CREAT, PRIVATE_FILE)
+    private_fd(fd)  # an existing file keeps its old mode through O_CREAT
+    return fd
+
+
 def private_fd(fd: int) -> None:
     """An open file of the tier: no "other" bits and no group write, whatever made it."""
     mode = os.fstat(fd).st_mode & 0o7777
