@@ -6,7 +6,8 @@ Contract:
       background thread writes the buffer into the file every ``write_s`` seconds (10 ms: from
       then on a kill -9 of the process can't lose it, the kernel holds it) and ``fdatasync``s the
       file every ``sync_s`` seconds while it has unsynced records (50 ms: group commit; from then
-      on a power loss can't lose it either). ``sync`` does both at once.
+      on a power loss can't lose it either). ``write_out`` does the first now (the engine calls
+      it once per batch of records, before a lookup can see them), ``sync`` both.
     * The caller appends a put only after its page's bytes are durable (the store records a
       checksum only after ``fdatasync`` of the data), so a replayed put never names bytes that
       were not written; replayed pages are still verified by their checksum on every read.
