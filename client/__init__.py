@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from .aio import AsyncKVTierClient, connect_async
 from .attachment import Attachment
-from .errors import Unauthenticated
+from .errors import PermissionDenied, Unauthenticated
 from .sync import KVTierClient, connect
 
 __all__ = [
-    "AsyncKVTierClient", "Attachment", "KVTierClient", "Unauthenticated", "connect",
-    "connect_async",
+    "AsyncKVTierClient", "Attachment", "KVTierClient", "PermissionDenied", "Unauthenticated",
+    "connect", "connect_async",
 ]

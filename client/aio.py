@@ -17,14 +17,14 @@ from . import ops
 from .attachment import Attachment, from_reply
 from .errors import Unavailable, from_rpc_error
 from .fastlane import ACQUIRE, RELEASE, AsyncFastLane
-from .options import channel_options, default_address, metadata
+from .options import channel_options, default_address, metadata, tenant_token_of
 
 
 class AsyncKVTierClient:
     def __init__(self, address: str, tenant: str, token: str | None = None,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, *, tenant_token: str | None = None) -> None:
         self.address, self.tenant, self.timeout = address, tenant, timeout
-        self._metadata = metadata(token)
+        self._metadata = metadata(token, tenant_token)
         self._channel = grpc.aio.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._lanes: dict[str, AsyncFastLane] = {}  # one per daemon socket
@@ -143,8 +143,10 @@ class AsyncKVTierClient:
     async def load(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(await self._do(ops.load(self._ref(att), keys, slots)))
 
-    async def stats(self) -> pb.StatsReply:
-        return await self._do(ops.stats(self.tenant))
+    async def stats(self, *, whole: bool = False) -> pb.StatsReply:
+        """This tenant's own view; ``whole``: the daemon-wide view (with tenant credentials
+        configured, only the admin token may see it)."""
+        return await self._do(ops.stats("" if whole else self.tenant))
 
     async def watch_events(self, att: Attachment | None = None, *,
                            duration: float | None = None) -> AsyncIterator[pb.Event]:
@@ -162,5 +164,10 @@ class AsyncKVTierClient:
 
 
 def connect_async(address: str | None = None, *, tenant: str, token: str | None = None,
-                  timeout: float = 5.0) -> AsyncKVTierClient:
-    return AsyncKVTierClient(address or default_address(), tenant, token, timeout)
+                  timeout: float = 5.0, tenant_token: str | None = None,
+                  tenant_token_file: str | None = None) -> AsyncKVTierClient:
+    """As ``connect``: ``tenant_token`` (or the first line of ``tenant_token_file``) is the
+    tenant's credential, sent with every call when the daemon checks tenants."""
+    secret = tenant_token_of(tenant_token, tenant_token_file)
+    return AsyncKVTierClient(address or default_address(), tenant, token, timeout,
+                             tenant_token=secret)

@@ -12,12 +12,14 @@ from kvtier.errors import (
     KVTierError,
     NotFound,
     PageLost,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 
-
-class Unauthenticated(KVTierError):
-    """The daemon refused the call's token (TCP listeners need ``token=``)."""
+# The daemon refused the call's token: TCP listeners need ``token=``; a daemon that checks
+# tenants needs ``tenant_token=`` (PermissionDenied: a valid token of someone else).
+__all__ = ["PermissionDenied", "Unauthenticated", "from_rpc_error"]
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVTierError:
@@ -36,7 +38,7 @@ def from_rpc_error(err: grpc.RpcError) -> KVTierError:
         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
         grpc.StatusCode.DATA_LOSS: PageLost,
         grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-        grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     }
     cls = simple.get(code, KVTierError)
     return cls(f"{text} [{code.name}]" if cls is KVTierError else text)

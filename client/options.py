@@ -18,8 +18,22 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
+TENANT_TOKEN_KEY = "kvtier-tenant-token"
+
+
+def metadata(token: str | None, tenant_token: str | None = None) -> tuple[tuple[str, str], ...]:
+    """Call metadata: the TCP bearer token and the tenant's credential, each when given."""
+    out = (("authorization", f"Bearer {token}"),) if token else ()
+    return (*out, (TENANT_TOKEN_KEY, tenant_token)) if tenant_token else out
+
+
+def tenant_token_of(token: str | None, token_file: str | None) -> str | None:
+    """The tenant credential: ``token``, else the first line of ``token_file`` (the daemon's
+    tenants file format has one token per tenant; the client's file holds just its own)."""
+    if token or not token_file:
+        return token or None
+    with open(token_file, encoding="utf-8") as fh:
+        return fh.readline().strip() or None
 
 
 def default_address() -> str:

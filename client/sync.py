@@ -28,9 +28,9 @@ CapacityShortfall = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 class KVTierClient:
     def __init__(self, address: str, tenant: str, token: str | None = None,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, *, tenant_token: str | None = None) -> None:
         self.address, self.tenant, self.timeout = address, tenant, timeout
-        self._metadata = metadata(token)
+        self._metadata = metadata(token, tenant_token)
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
 
@@ -135,8 +135,10 @@ class KVTierClient:
         return int(self._do(ops.load(self._ref(att), keys, slots)))
 
     # --- operations -------------------------------------------------------------------------
-    def stats(self) -> pb.StatsReply:
-        return self._do(ops.stats(self.tenant))
+    def stats(self, *, whole: bool = False) -> pb.StatsReply:
+        """This tenant's own view; ``whole``: the daemon-wide view (with tenant credentials
+        configured, only the admin token may see it)."""
+        return self._do(ops.stats("" if whole else self.tenant))
 
     def watch_events(self, att: Attachment | None = None, *,
                      duration: float | None = None) -> Iterator[pb.Event]:
@@ -159,8 +161,13 @@ class KVTierClient:
 
 
 def connect(address: str | None = None, *, tenant: str, token: str | None = None,
-            timeout: float = 5.0) -> KVTierClient:
-    """A blocking client; ``address`` defaults to the daemon's default unix socket."""
-    from .options import default_address
+            timeout: float = 5.0, tenant_token: str | None = None,
+            tenant_token_file: str | None = None) -> KVTierClient:
+    """A blocking client; ``address`` defaults to the daemon's default unix socket. ``token``:
+    the TCP bearer token; ``tenant_token`` (or the first line of ``tenant_token_file``): the
+    tenant's credential, sent with every call when the daemon checks tenants."""
+    from .options import default_address, tenant_token_of
 
-    return KVTierClient(address or default_address(), tenant, token, timeout)
+    secret = tenant_token_of(tenant_token, tenant_token_file)
+    return KVTierClient(address or default_address(), tenant, token, timeout,
+                        tenant_token=secret)

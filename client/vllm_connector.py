@@ -9,7 +9,8 @@ Load it with::
                                                       "tenant": "team-a"}}
 
 Extra config (:class:`ConnectorOptions`): ``address`` (required), ``tenant`` (``"default"``),
-``token``, ``timeout`` (s, 5), ``mode`` (``auto`` | ``register`` | ``copy``: register vLLM's CUDA KV
+``token``, ``tenant_token_file`` (the tenant's credential, when the daemon checks tenants),
+``timeout`` (s, 5), ``mode`` (``auto`` | ``register`` | ``copy``: register vLLM's CUDA KV
 tensors with the daemon, or copy through a daemon staging pool; ``auto`` registers CUDA memory
 and copies CPU memory), ``staging_slots`` (64), ``stats_file`` (write the worker's counters there
 as JSON after every step that moved blocks).
@@ -57,6 +58,7 @@ class ConnectorOptions:
     address: str
     tenant: str = "default"
     token: str = ""
+    tenant_token_file: str = ""
     timeout: float = 5.0
     mode: str = "auto"
     staging_slots: int = 64
@@ -132,7 +134,8 @@ class KVTierConnector(KVConnectorBase_V1):
             from .sync import connect
 
             o = self._opts
-            client = connect(o.address, tenant=o.tenant, token=o.token or None, timeout=o.timeout)
+            client = connect(o.address, tenant=o.tenant, token=o.token or None, timeout=o.timeout,
+                             tenant_token_file=o.tenant_token_file or None)
             self._backend = ClientBackend(client)
         return self._backend
 

@@ -84,6 +84,8 @@ class BulkMoves:
                 events,
                 final=final,
             )
+            if direction.dst is not Tier.GPU:  # the destination slots are the tenant's now
+                core.ledger.incoming[direction.dst] += core.ledger.per_owner(t.owner[group], size)
             number = next(self._numbers)
             self._batches[number] = batch
             t.move[group] = number
@@ -114,6 +116,8 @@ class BulkMoves:
         core = self._core
         if batch.direction is not Direction.GPU_TO_CPU:
             return
+        ledger = core.ledger
+        ledger.incoming[Tier.CPU] -= ledger.per_owner(core.table.owner[rows], batch.page_size)
         good, bad = (rows, rows[:0]) if ok is None else (rows[ok], rows[~ok])
         if len(good):
             core.settle(good, Tier.CPU, dsts if ok is None else dsts[ok], None)
@@ -139,6 +143,8 @@ class BulkMoves:
         src, dst = direction._value_
         t.move[rows] = 0
         size = int(t.size[rows[0]])
+        if dst is not Tier.GPU:  # reserved at ``prepare``: settled below, or given back
+            core.ledger.incoming[dst] -= core.ledger.per_owner(t.owner[rows], size)
         pool_id = int(t.pool[rows[0]])
         pool = core.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None
         if pool is not None and src is Tier.GPU:

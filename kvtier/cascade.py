@@ -4,6 +4,12 @@ Contract: ``cpu_slots`` returns up to ``n`` CPU slots, evicting CPU victims (nev
 pages) down the cascade when the tier is full: to disk when the admission rule agrees and the
 disk has (or can make) room, otherwise dropped and counted. A full disk drops its own victims,
 never a page a restore is waiting for. Drops are published as events. Runs under the engine lock.
+
+With tenant quotas (``kvtier.quotas``) the slots are asked for on behalf of one tenant
+(``owner``): a tenant at its quota makes room from its own pages first and gets no more than its
+quota allows; room in a full tier comes only from the requester's own pages and from tenants
+over their quota (or without one), never from a tenant within its quota. Without quotas every
+tracked page may be a victim, as the policy orders them.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.pagetable import EMPTY
+from kvtier.pagetable import EMPTY, by_value
+from kvtier.policy.base import RowFilter
 from kvtier.types import Direction, PageId, PageMeta, Tier
 
 if TYPE_CHECKING:
@@ -28,12 +35,67 @@ class Cascade:
         t = self._core.table
         return (t.protect[rows] > 0) | (t.waiting[rows] > 0)
 
-    def cpu_slots(self, page_size: int, n: int) -> np.ndarray:
-        """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room."""
+    def _victims_of(self, tier: Tier, owners: np.ndarray | None) -> RowFilter:
+        """``protected`` for a tier's policy: the usual pages, and with quotas every page whose
+        tenant may not be displaced (within its quota) unless its owner is in ``owners``."""
+        core = self._core
+        if not core.ledger.active:
+            return self._protected
+        allowed = core.ledger.evictable(tier)
+        if owners is not None:
+            allowed = allowed.copy()
+            allowed[owners] = True
+        owner = core.table.owner
+
+        def protected(rows: np.ndarray) -> np.ndarray:
+            return self._protected(rows) | ~allowed[owner[rows]]
+
+        return protected
+
+    def _own_only(self, owner: int) -> RowFilter:
+        owners = self._core.table.owner
+        return lambda rows: self._protected(rows) | (owners[rows] != owner)
+
+    def _evict(self, tier: Tier, page_size: int, n: int, protected: RowFilter) -> np.ndarray:
+        """Up to ``n`` victims of the tier's policy, counted (the caller moves or drops them)."""
+        core = self._core
+        policy = (core.cpu_policy if tier is Tier.CPU else core.disk_policy).get(page_size)
+        if policy is None or not len(policy) or n <= 0:
+            return EMPTY
+        victims = policy.evict(n, protected, partial=True)
+        if victims is None or not len(victims):
+            return EMPTY
+        core.counters.evictions[tier] += len(victims)
+        core.ledger.evictions[tier] += core.ledger.per_owner(core.table.owner[victims])
+        policy.insert(victims, core.meta(victims))  # back in, so ``unsettle`` is uniform
+        return victims
+
+    def fit_quota(self, tier: Tier, owner: int, page_size: int, n: int) -> int:
+        """How many of ``n`` pages ``owner`` may bring into ``tier``, after pushing its own
+        pages out of the tier (down the cascade) to stay within its quota."""
+        room = self._core.ledger.room(tier, owner) if owner else None
+        if room is None or room // page_size >= n:
+            return n
+        allowed = room // page_size
+        victims = self._evict(tier, page_size, n - allowed, self._own_only(owner))
+        if len(victims):
+            if tier is Tier.CPU:
+                self.demote_cpu(victims, page_size)
+            else:
+                self._core.drop(victims, "tenant_quota")
+        return allowed + len(victims)
+
+    def cpu_slots(self, page_size: int, n: int, owner: int = 0) -> np.ndarray:
+        """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room;
+        ``owner``: the tenant the slots are for (its quota applies)."""
         host = self._core.host
+        if self._core.ledger.active:
+            n = self.fit_quota(Tier.CPU, owner, page_size, n)
+            if not n:
+                return EMPTY
         got = host.alloc_array(page_size, n)
         if got is None:
-            self.make_cpu_room(page_size, n)
+            self.make_cpu_room(page_size, n, owner)
             got = host.alloc_array(page_size, n)
         if got is None:  # as many as there are, a run at a time
             parts, left = [], n
@@ -46,15 +108,10 @@ class Cascade:
             got = np.concatenate(parts) if parts else EMPTY
         return got
 
-    def make_cpu_room(self, page_size: int, n: int) -> None:
-        core = self._core
-        policy = core.cpu_policy.get(page_size)
-        if policy is None or not len(policy):
-            return
-        victims = policy.evict(n, self._protected, partial=True)
-        if victims is not None and len(victims):
-            core.counters.evictions[Tier.CPU] += len(victims)
-            policy.insert(victims, core.meta(victims))  # back in, so ``unsettle`` is uniform
+    def make_cpu_room(self, page_size: int, n: int, owner: int = 0) -> None:
+        owners = np.array([owner], dtype=np.int64) if owner else None
+        victims = self._evict(Tier.CPU, page_size, n, self._victims_of(Tier.CPU, owners))
+        if len(victims):
             self.demote_cpu(victims, page_size)
 
     def demote_cpu(self, rows: np.ndarray, page_size: int) -> None:
@@ -81,11 +138,13 @@ class Cascade:
         if not admit.all():
             core.drop(rows[~admit], "no_admission")
         rows = rows[admit]
+        if core.ledger.active:
+            rows = self._fit_disk_quotas(rows, page_size)
         if not len(rows):
             return
         slots = core.disk.alloc(page_size, len(rows))
         if slots is None:
-            self.make_disk_room(page_size, len(rows))
+            self.make_disk_room(page_size, len(rows), np.unique(t.owner[rows]))
             slots = core.disk.alloc(page_size, len(rows))
         if slots is None:  # as many as there are
             slots = []
@@ -96,14 +155,21 @@ class Cascade:
         dsts = np.array(slots, dtype=np.int64)
         core.starts.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
 
-    def make_disk_room(self, page_size: int, n: int) -> None:
-        core = self._core
-        policy = core.disk_policy.get(page_size)
-        if policy is None or not len(policy):
-            return
+    def _fit_disk_quotas(self, rows: np.ndarray, page_size: int) -> np.ndarray:
+        """The rows each tenant's disk quota lets in (after dropping its own disk pages for
+        room); the others are dropped."""
+        owners = self._core.table.owner[rows]
+        keep: list[np.ndarray] = []
+        for owner, pos in by_value(owners):
+            part = rows if len(pos) == len(rows) else rows[pos]
+            n = self.fit_quota(Tier.DISK, owner, page_size, len(part))
+            if n < len(part):
+                self._core.drop(part[n:], "tenant_quota")
+            keep.append(part[:n])
+        return np.concatenate(keep) if keep else EMPTY
+
+    def make_disk_room(self, page_size: int, n: int, owners: np.ndarray | None = None) -> None:
         # never a page a restore is waiting for
-        victims = policy.evict(n, self._protected, partial=True)
-        if victims is not None and len(victims):
-            core.counters.evictions[Tier.DISK] += len(victims)
-            policy.insert(victims, core.meta(victims))
-            core.drop(victims, "disk_full")
+        victims = self._evict(Tier.DISK, page_size, n, self._victims_of(Tier.DISK, owners))
+        if len(victims):
+            self._core.drop(victims, "disk_full")

@@ -103,7 +103,7 @@ def sample_stats(
 
     while True:
         with suppress(KVTierError):
-            out.append((time.monotonic() - t0, stats_dict(client.stats())))
+            out.append((time.monotonic() - t0, stats_dict(client.stats(whole=True))))
         if stop.wait(SAMPLE_PERIOD):
             return
 
@@ -158,7 +158,7 @@ def run_workload(address: str, token: str | None, args: argparse.Namespace) -> R
         for i, c in enumerate(clients)
     ]
     try:
-        before = stats_dict(monitor.stats())
+        before = stats_dict(monitor.stats(whole=True))
         samples: list[tuple[float, dict[str, Any]]] = []
         stop = threading.Event()
         t0 = time.monotonic()
@@ -176,7 +176,7 @@ def run_workload(address: str, token: str | None, args: argparse.Namespace) -> R
         wall = time.monotonic() - t0
         stop.set()
         sampler.join()
-        after = stats_dict(monitor.stats())
+        after = stats_dict(monitor.stats(whole=True))
         return Run(workers, samples, before, after, wall)
     finally:
         for c in [monitor, *clients]:

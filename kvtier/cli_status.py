@@ -1,7 +1,9 @@
 """``kvtier status``: one Stats call against a running daemon, printed as a table or JSON.
 
-Exit 0 on success, 1 when no daemon answers at the address (the message names it), 2 on a bad
-``--token-file``.
+Without ``--tenant`` it shows the daemon-wide view (when the daemon checks tenant credentials,
+that needs the admin token in ``--tenant-token-file``); with ``--tenant NAME`` that tenant's own
+view (its token in ``--tenant-token-file``). Exit 0 on success, 1 when no daemon answers at the
+address (the message names it) or it refuses the credentials, 2 on an unreadable token file.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def default_address() -> str:
     return f"unix://{os.path.join(default_socket_dir(), SOCKET_NAME)}"
 
 
-def read_token(path: str | None) -> str | None:
+def read_token(path: str | None, flag: str = "--token-file") -> str | None:
     """The token file's first line (as the daemon reads it), or None without a file."""
     if not path:
         return None
@@ -33,7 +35,7 @@ def read_token(path: str | None) -> str | None:
         with open(path, encoding="utf-8") as fh:
             return fh.readline().strip() or None
     except OSError as exc:
-        raise ConfigError(f"--token-file: cannot read {path!r}: {exc}") from exc
+        raise ConfigError(f"{flag}: cannot read {path!r}: {exc}") from exc
 
 
 def add_connection_flags(p: argparse.ArgumentParser, *, address_help: str = "") -> None:
@@ -46,6 +48,11 @@ def add_connection_flags(p: argparse.ArgumentParser, *, address_help: str = "") 
 
 def add_status_flags(p: argparse.ArgumentParser) -> None:
     add_connection_flags(p)
+    p.add_argument("--tenant", metavar="NAME", default=None,
+                   help="show this tenant's own view (default: the daemon-wide view)")
+    p.add_argument("--tenant-token-file", metavar="FILE", default=None,
+                   help="file whose first line is the tenant's token (or the admin token "
+                   "for the daemon-wide view) when the daemon checks tenant credentials")
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help=argparse.SUPPRESS)
 
@@ -54,12 +61,15 @@ def not_running(address: str) -> str:
     return f"no kvtier daemon at {address}: is `kvtier serve` running?"
 
 
-def fetch_stats(address: str, token: str | None, timeout: float) -> Any:
-    """One Stats reply; raises ``kvtier.client.errors.Unavailable`` when nobody answers."""
+def fetch_stats(address: str, token: str | None, timeout: float, *, tenant: str | None = None,
+                tenant_token: str | None = None) -> Any:
+    """One Stats reply (``tenant``'s view, else the daemon's); raises
+    ``kvtier.client.errors.Unavailable`` when nobody answers."""
     from kvtier.client import KVTierClient
 
-    with KVTierClient(address, STATUS_TENANT, token, timeout=timeout) as client:
-        return client.stats()
+    with KVTierClient(address, tenant or STATUS_TENANT, token, timeout=timeout,
+                      tenant_token=tenant_token) as client:
+        return client.stats(whole=tenant is None)
 
 
 def stats_dict(reply: Any) -> dict[str, Any]:
@@ -153,14 +163,21 @@ def render(d: dict[str, Any], address: str) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from kvtier.client.errors import Unauthenticated  # PERMISSION_DENIED too
     from kvtier.errors import DeadlineExceeded, Unavailable
 
     address = args.address or default_address()
     token = read_token(args.token_file)
+    tenant_token = read_token(args.tenant_token_file, "--tenant-token-file")
     try:
-        reply = fetch_stats(address, token, args.timeout)
+        reply = fetch_stats(address, token, args.timeout, tenant=args.tenant,
+                            tenant_token=tenant_token)
     except (Unavailable, DeadlineExceeded):
         print(f"kvtier status: {not_running(address)}", file=sys.stderr)
+        return 1
+    except Unauthenticated as exc:
+        print(f"kvtier status: the daemon refused: {exc} (see --tenant-token-file)",
+              file=sys.stderr)
         return 1
     d = stats_dict(reply)
     if args.json:

@@ -130,6 +130,25 @@ class OffloadConfig:
         64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024"
     )
     log_level: str = _opt("info", "LOG_LEVEL", "Log verbosity.", "debug|info|warning|error")
+    # --- tenants ----------------------------------------------------------------------------
+    tenants_file: str = _opt(
+        "",
+        "TENANTS_FILE",
+        "Tenant credentials, one 'tenant token' per line ('@admin token': the global Stats "
+        "view); read at start and on SIGHUP; empty: tenants are self-declared.",
+        "a file path, not readable by group or others",
+    )
+    tenant_quotas: str = _opt(
+        "",
+        "TENANT_QUOTAS",
+        "Per-tenant byte quotas per tier; '*' is the entry for tenants not named; empty: none.",
+        "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE",
+    )
+    # --- event streams (server) ---------------------------------------------------------------
+    max_watches: int = _opt(
+        16, "MAX_WATCHES",
+        "Most open WatchEvents streams per tenant (RESOURCE_EXHAUSTED beyond).", "1..1024",
+    )
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -254,10 +273,12 @@ def _validate(c: OffloadConfig) -> None:
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
+        ("max_watches", 1 <= c.max_watches <= 1024),
     ]
     for name, ok in checks:
         if not ok:
             _fail(name, getattr(c, name))
+    _validate_tenants(c)
     if c.disk_gb > 0 and not c.disk_path:
         raise ConfigError(f"{ENV_PREFIX}DISK_GB={c.disk_gb} needs {ENV_PREFIX}DISK_PATH to be set")
     for addr in c.listen:
@@ -265,6 +286,18 @@ def _validate(c: OffloadConfig) -> None:
             _fail("listen", addr)
     if c.metrics_addr and not re.fullmatch(r"\[?[\w.:-]*\]?:\d{1,5}", c.metrics_addr):
         _fail("metrics_addr", c.metrics_addr)
+
+
+def _validate_tenants(c: OffloadConfig) -> None:
+    from kvtier.quotas import parse_quotas
+
+    try:
+        parse_quotas(c.tenant_quotas)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{ENV_PREFIX}TENANT_QUOTAS={c.tenant_quotas!r} is invalid ({exc}); accepted: "
+            "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE (SIZE like 512MiB, 2GiB)"
+        ) from None
 
 
 def describe() -> list[tuple[str, str, str, str]]:

@@ -46,6 +46,7 @@ from kvtier.policy.admission import create_admission
 from kvtier.policy.base import NO_META, RowMeta, RowPolicy
 from kvtier.policy.registry import create_row_policy
 from kvtier.pool import Pool
+from kvtier.quotas import TenantLedger, parse_quotas
 from kvtier.readiness import ReadyEvents
 from kvtier.scheduler import TransferScheduler
 from kvtier.starts import INLINE_RESTORE_BYTES, Starts
@@ -77,6 +78,7 @@ class EngineCore:
         self.table = PageTable()
         self.pools: dict[PoolId, Pool] = {}
         self.counters = EngineCounters()
+        self.ledger = TenantLedger(parse_quotas(config.tenant_quotas))  # bytes per tenant
         self.events = EventHub()
         cuda = self.device.type == "cuda"
         chunk = max(4096, min(config.pinned_chunk_mb * MIB, config.cpu_budget_bytes) // 4096 * 4096)
@@ -123,6 +125,7 @@ class EngineCore:
             rows = t.new_rows(1)
             t.size[rows], t.prio[rows], t.length[rows] = page_size, 1.0, 1
             t.add_key(int(rows[0]), record.key, record.tenant)
+            t.owner[rows] = self.ledger.owner(record.tenant)
             self.settle(rows, Tier.DISK, np.array([slot], dtype=np.int64), None)
 
     def pool_of(self, pool_id: PoolId) -> Pool:
@@ -178,12 +181,14 @@ class EngineCore:
             assert pool is not None
             pool.slot_rows[slots] = rows
         size = int(t.size[rows[0]])
+        self.ledger.settled[tier] += self.ledger.per_owner(t.owner[rows], size)
         policy = self.policy_of(tier, pool, size)
         policy.insert(rows, self.meta(rows) if policy.uses_meta else NO_META)
 
     def unsettle(self, rows: np.ndarray, tier: Tier, pool: Pool | None, page_size: int) -> None:
         """The pages' bytes are about to leave (or be freed from) their current tier."""
         self.policy_of(tier, pool, page_size).remove(rows)
+        self.ledger.settled[tier] -= self.ledger.per_owner(self.table.owner[rows], page_size)
         if tier is Tier.GPU:
             assert pool is not None
             pool.slot_rows[self.table.slot[rows]] = -1
@@ -228,6 +233,7 @@ class EngineCore:
             self.free_slots(tier, size, t.slot[part], pool)
         t.state[rows], t.slot[rows] = S_DROPPED, -1
         self.counters.drop(reason, len(rows))
+        self.ledger.drop(reason, t.owner[rows])
         if self.events.active:
             for page_id, tier, pool_id in zip(t.ids(rows).tolist(), tiers, pools, strict=True):
                 self.events.publish(Event("dropped", pool_id or None, page_id, Tier(tier), None))
@@ -311,6 +317,7 @@ class EngineCore:
         frees.apply(self)
         if end >= n:  # the last chunk also counts the batch
             self._count(batch, results, seconds)
+            self._count_tenants(batch, results)
             if batch.copy:
                 batch.report(results)
         self.cond.notify_all()
@@ -326,6 +333,13 @@ class EngineCore:
         c.failures += len(batch) - ok_pages
         c.batches += 1
         c.seconds += seconds
+
+    def _count_tenants(self, batch: Moves, results: list[bool]) -> None:
+        """The batch's successful pages, per tenant (one bincount)."""
+        rows = batch.rows
+        if len(rows) and results.count(True) != len(rows):
+            rows = rows[np.array(results, dtype=bool)]
+        self.ledger.count_moved(batch.direction, self.table.owner[rows], batch.page_size)
 
     def wake_all(self) -> None:
         """Wake every waiter (lock held): the engine is closing."""

@@ -20,7 +20,7 @@ import torch
 
 from kvtier.config import OffloadConfig
 from kvtier.core import EngineCore
-from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
 from kvtier.events import Event, EventSubscription
 from kvtier.keyed_flush import flush_keyed
 from kvtier.pagetable import S_CPU, S_DISK, S_DOWN, S_GPU, S_UP
@@ -28,6 +28,7 @@ from kvtier.pool import Pool
 from kvtier.prefix import PrefixStore
 from kvtier.residency import Residency
 from kvtier.stats import EngineStats, TierStats
+from kvtier.tenants import admit_pool, tenant_stats
 from kvtier.tiers.device import DevicePool
 from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_name, check_priority
@@ -81,17 +82,7 @@ class TierEngine:
             raise InvalidArgument("num_slots", f"must be a positive integer, got {num_slots}")
         with self._core.cond:
             self._core_open()
-            used = sum(
-                p.num_slots * p.page_size for p in self._core.pools.values() if not p.external
-            )
-            if used + num_slots * size > self.config.gpu_budget_bytes:
-                from kvtier.errors import CapacityError
-
-                raise CapacityError(
-                    f"num_slots: {num_slots} x {size} B exceeds the GPU budget "
-                    f"({self.config.gpu_budget_bytes - used} B free "
-                    f"of {self.config.gpu_budget_bytes})"
-                )
+            admit_pool(self._core, tenant, num_slots * size, external=False)
             dev = DevicePool.allocate(num_slots, size, str(self._core.device))
             return self._add_pool(tenant, dev, default_priority, external=False)
 
@@ -104,6 +95,11 @@ class TierEngine:
         dev = DevicePool.from_segments(list(segments))
         with self._core.cond:
             self._core_open()
+            try:
+                admit_pool(self._core, tenant, dev.num_slots * dev.page_size, external=True)
+            except CapacityError:
+                dev.close()
+                raise
             return self._add_pool(tenant, dev, default_priority, external=True)
 
     def _add_pool(self, tenant: str, dev: DevicePool, prio: float, *, external: bool) -> Pool:
@@ -315,8 +311,12 @@ class TierEngine:
     def subscribe(self, maxsize: int = 1024) -> EventSubscription:
         return self._core.events.subscribe(maxsize)
 
-    def stats(self) -> EngineStats:
+    def stats(self, tenant: str | None = None) -> EngineStats:
+        """The daemon-wide snapshot, or with ``tenant`` that tenant's own view only."""
         core = self._core
+        if tenant is not None:
+            with core.cond:
+                return tenant_stats(core, tenant)
         with core.cond:
             gpu_cap = sum(p.num_slots * p.page_size for p in core.pools.values())
             gpu_used = sum(p.used_slots * p.page_size for p in core.pools.values())

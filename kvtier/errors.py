@@ -40,6 +40,15 @@ class CapacityError(KVTierError):
     """A budget is full and nothing could be evicted (pinned or in flight)."""
 
 
+class Unauthenticated(KVTierError):
+    """The call's credentials are missing or nobody's (a TCP bearer token, a tenant token)."""
+
+
+class PermissionDenied(Unauthenticated):
+    """Valid credentials, but not for what the call asks (another tenant's, the daemon-wide
+    view without the admin's)."""
+
+
 class PageLost(KVTierError):
     """A page's bytes were dropped (disk full, checksum failure); the caller must recompute them."""
 

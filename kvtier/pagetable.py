@@ -14,6 +14,8 @@ Contract:
       takes it).
     * A row with ``pool == 0`` is a *keyed* page (a stored prefix block) owned by a tenant; keyed
       pages live in the CPU and disk tiers only and carry a (salted) content key.
+    * ``owner`` is the page's tenant (an id of ``kvtier.quotas.TenantLedger``), set when the
+      row is created and never changed: the per-tenant byte counts follow it.
     * Callers pass rows as int64 arrays of *distinct* rows (``unique`` makes them so); every
       operation is one numpy pass per column, never a Python loop per page.
     * The table is not thread-safe: the engine calls it under its lock.
@@ -56,6 +58,7 @@ _COLUMNS: dict[str, Any] = {
     "ready": np.int64,
     "gen": np.int64,
     "move": np.int64,
+    "owner": np.int64,
 }
 
 
@@ -78,6 +81,7 @@ class PageTable:
     ready: np.ndarray
     gen: np.ndarray
     move: np.ndarray
+    owner: np.ndarray  # the tenant's id in the core's ``TenantLedger`` (0: none)
 
     def __init__(self, capacity: int = 1024) -> None:
         for name, dtype in _COLUMNS.items():
@@ -172,7 +176,7 @@ class PageTable:
         self.state[rows] = S_NONE
         self.gen[rows] += 1
         self.removals += len(rows)
-        for name in ("pool", "pins", "waiting", "protect", "hits", "ready"):
+        for name in ("pool", "pins", "waiting", "protect", "hits", "ready", "owner"):
             getattr(self, name)[rows] = 0
         self.doomed[rows] = False
         self.move[rows] = 0

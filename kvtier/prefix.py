@@ -93,7 +93,7 @@ class PrefixStore:
             started: list[Moves] = []  # submitted early while waiting for room
             items = list(todo.items())
             while items:
-                got = self._cpu_slots(pool.page_size, len(items), pending, started)
+                got = self._cpu_slots(pool, len(items), pending, started)
                 if not len(got):
                     break
                 part, items = items[: len(got)], items[len(got) :]
@@ -111,11 +111,12 @@ class PrefixStore:
         t.size[rows], t.prio[rows], t.length[rows] = pool.page_size, 1.0, 1
         for row, key in zip(rows.tolist(), keys, strict=True):
             t.add_key(row, key, pool.tenant)
+        ledger = self._core.ledger
+        t.owner[rows] = ledger.owner(pool.tenant)
+        ledger.incoming[Tier.CPU] += ledger.per_owner(t.owner[rows], pool.page_size)
         return rows
 
-    def _cpu_slots(
-        self, page_size: int, n: int, pending: _Copies, started: list[Moves]
-    ) -> np.ndarray:
+    def _cpu_slots(self, pool: Pool, n: int, pending: _Copies, started: list[Moves]) -> np.ndarray:
         """Up to ``n`` CPU slots for stored blocks, waiting (bounded) while the cascade frees
         some.
 
@@ -124,8 +125,9 @@ class PrefixStore:
         """
         core = self._core
         deadline = time.monotonic() + core.config.restore_timeout_s
+        owner = core.ledger.owner(pool.tenant)
         while True:
-            got = core.cascade.cpu_slots(page_size, n)
+            got = core.cascade.cpu_slots(pool.page_size, n, owner)
             if len(got) or time.monotonic() > deadline:
                 return got
             # let the copies prepared so far start, so they can cascade
@@ -143,14 +145,17 @@ class PrefixStore:
         t = core.table
         with core.cond:
             tiers: list[Tier] = []
+            owner = core.ledger.find(tenant)
             for key in keys:
                 row = t.keyed(salt_key(tenant, key))
                 if row is None or t.state[row] == S_DROPPED:
                     core.counters.misses += 1
+                    core.ledger.misses[owner] += 1
                     break
                 tier = Tier(int(t.tier[row]))
                 tiers.append(tier)
                 core.counters.hits[tier] += 1
+                core.ledger.hits[tier, owner] += 1
             return tiers
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
@@ -158,9 +163,12 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            # A window the CPU tier can hold at once: a prefix longer than the CPU tier is
-            # brought up from disk and copied in a window at a time.
+            # A window the CPU tier (and the tenant's CPU quota) can hold at once: a prefix
+            # longer than that is brought up from disk and copied in a window at a time.
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+            share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
+            if share is not None:
+                window = max(1, min(window, share // pool.page_size))
             loaded = 0
             while loaded < len(keys):
                 part = keys[loaded : loaded + window]

@@ -86,6 +86,7 @@ class Residency:
             length,
         )
         t.pos[rows] = np.arange(len(rows))
+        t.owner[rows] = core.ledger.owner(pool.tenant)
         core.settle(rows, Tier.GPU, slots, pool)
         core.pin(pool, rows)
         return rows

@@ -106,14 +106,26 @@ class Starts:
             return 0
         todo = rows[(t.state[rows] == S_GPU) & (t.pins[rows] == 0)]
         queued = 0
-        for size, pos in by_value(t.size[todo]):
-            group = todo if len(pos) == len(todo) else todo[pos]
-            cpu_slots = functools.partial(self._core.cascade.cpu_slots, size)
+        for (size, owner), group in self._groups(todo):
+            cpu_slots = functools.partial(self._core.cascade.cpu_slots, size, owner=owner)
             started = self.start_as_taken(group, Direction.GPU_TO_CPU, cpu_slots, urgent=urgent)
             queued += started
-            if started < len(group):  # the CPU tier (and its cascade) ran out of room
-                return queued
+            if started < len(group) and not self._core.ledger.active:
+                return queued  # the CPU tier (and its cascade) ran out of room
         return queued
+
+    def _groups(self, rows: np.ndarray) -> list[tuple[tuple[int, int], np.ndarray]]:
+        """``rows`` by page size and, with tenant quotas, by tenant (``owner``; else 0)."""
+        t = self._core.table
+        out = []
+        for size, pos in by_value(t.size[rows]):
+            group = rows if len(pos) == len(rows) else rows[pos]
+            if not self._core.ledger.active:
+                out.append(((size, 0), group))
+                continue
+            for owner, opos in by_value(t.owner[group]):
+                out.append(((size, owner), group if len(opos) == len(group) else group[opos]))
+        return out
 
     def restore_cpu(
         self,
@@ -154,8 +166,7 @@ class Starts:
     def restore_disk(self, rows: np.ndarray) -> int:
         """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
         started = 0
-        for size, pos in by_value(self._core.table.size[rows]):
-            group = rows if len(pos) == len(rows) else rows[pos]
-            slots = self._core.cascade.cpu_slots(size, len(group))
+        for (size, owner), group in self._groups(rows):
+            slots = self._core.cascade.cpu_slots(size, len(group), owner)
             started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
         return started

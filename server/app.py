@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +25,12 @@ from kvtier.errors import ConfigError
 from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 
 from .auth import TokenAuth
+from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 SERVICE = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -56,8 +59,9 @@ def listen_addresses(config: OffloadConfig) -> tuple[list[str], str]:
     return addrs, token
 
 
-def _prepare_unix(path: str) -> None:
-    """Create the socket's directory (0750) if missing; the default one must be ours."""
+def socket_dir(path: str) -> str:
+    """Create the socket's directory (0750) if missing; the default one must be ours.
+    OSError propagates (the start-up checks name the setting)."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         os.makedirs(directory, mode=0o750, exist_ok=True)
@@ -65,6 +69,12 @@ def _prepare_unix(path: str) -> None:
     st = os.stat(directory)
     if directory == default_socket_dir() and st.st_uid != os.getuid():
         raise ConfigError(f"socket directory {directory} is owned by uid {st.st_uid}, not us")
+    return directory
+
+
+def _prepare_unix(path: str) -> None:
+    """Only after this daemon holds the socket's lock (``pidlock``): nothing live is unlinked."""
+    socket_dir(path)
     if os.path.exists(path):
         os.unlink(path)  # stale socket of a crashed daemon
 
@@ -74,14 +84,17 @@ class KVTierServer:
 
     def __init__(self, server: grpc.aio.Server, health: HealthServicer, draining: asyncio.Event,
                  executor: ThreadPoolExecutor, instance: str,
-                 lane: FastLane | None = None) -> None:
+                 lane: FastLane | None = None, tenants: TenantCredentials | None = None) -> None:
         self.server, self.health, self.draining = server, health, draining
         self.executor, self.instance, self.lane = executor, instance, lane
+        self.tenants = tenants
 
     async def start(self) -> None:
         await self.server.start()
         if self.lane is not None:
             await self.lane.start()
+        if self.tenants is not None:  # SIGHUP: read the tenants file again
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
 
     async def set_serving(self) -> None:
         for name in ("", SERVICE):
@@ -104,26 +117,30 @@ def create_server(
     addrs, token = listen_addresses(config)
     draining = asyncio.Event()
     limit = config.max_message_mb * MIB
+    tenants = TenantCredentials.load(config.tenants_file) if config.tenants_file else None
+    if tenants is not None:
+        log.info("tenant credentials checked on every call (%s)", config.tenants_file)
     server = grpc.aio.server(
-        interceptors=[Gate(TokenAuth(token), draining, observe)],
+        interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
     )
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
-    lane = FastLane(engine, path) if path is not None else None
+    lane = FastLane(engine, path, observe) if path is not None else None
+    tenancy = Tenancy(engine, instance)
+    watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
         engine, device=config.resolved_device(), default_page_size=config.page_size,
-        version=version, tenancy=Tenancy(engine, instance), executor=executor, draining=draining,
-        lane=lane,
+        version=version, tenancy=tenancy, executor=executor, watches=watches, lane=lane,
     )
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _enable_reflection(server)
     bound = _bind(server, addrs)
-    return KVTierServer(server, health, draining, executor, instance, lane), bound
+    return KVTierServer(server, health, draining, executor, instance, lane, tenants), bound
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

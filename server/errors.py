@@ -18,6 +18,8 @@ from kvtier.errors import (
     KVTierError,
     NotFound,
     PageLost,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -31,6 +33,8 @@ _CODES: tuple[tuple[type[KVTierError], grpc.StatusCode], ...] = (
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PageLost, grpc.StatusCode.DATA_LOSS),
     (CorruptPage, grpc.StatusCode.DATA_LOSS),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),  # before its base class
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
 
 

@@ -1,5 +1,10 @@
-"""One server interceptor at the door of every call: drain gate, token check, RPC metrics.
+"""One server interceptor at the door of every call: drain gate, token check, RPC metrics,
+undecodable request bodies, and tenant credentials (``credentials.py``, when configured).
 
+gRPC parses a request before any handler runs, and a body that is not the method's message would
+end the call UNKNOWN with the parser's exception text. The wrapped deserializer turns it into a
+:class:`Malformed` marker instead, and the call ends INVALID_ARGUMENT "request: malformed
+<Message>" (after the drain and token checks) without touching the servicer.
 Health calls pass untouched (probes must work while draining and without a token).
 """
 
@@ -13,15 +18,43 @@ from typing import Any
 import grpc
 
 from .auth import HEALTH_PREFIX, TokenAuth
+from .credentials import TenantCredentials
+from .errors import status_for
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
 
 
+class Malformed:
+    """Stands for a request body that did not parse as ``message`` (a message type name)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserialize`` answering :class:`Malformed` instead of raising on a bad body."""
+    if deserialize is None:
+        return None
+    name = getattr(getattr(deserialize, "__self__", None), "__name__", "request")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception:  # DecodeError, bad UTF-8 in a string field, ...: never the text
+            return Malformed(name)
+
+    return parse
+
+
 class Gate(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None) -> None:
+    def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None,
+                 tenants: TenantCredentials | None = None) -> None:
         self._auth = auth
         self._draining = draining
         self._observe = observe
+        self._tenants = tenants
 
     async def intercept_service(
         self,
@@ -39,6 +72,17 @@ class Gate(grpc.aio.ServerInterceptor):
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining; retry later")
         if not self._auth.allows(method, ctx.peer(), ctx.invocation_metadata() or ()):
             await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    async def parsed(self, req: Any, ctx: Any) -> None:
+        if isinstance(req, Malformed):
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed {req.message}")
+
+    async def credentials(self, method: str, ctx: Any, req: Any) -> None:
+        """With a tenants file: the call's tenant token must be the named tenant's."""
+        if self._tenants is not None:
+            refused = self._tenants.refuse(method, req, ctx.invocation_metadata() or ())
+            if refused is not None:
+                await ctx.abort(*status_for(refused))
 
     def done(self, name: str, ctx: Any, start: float, failed: bool) -> None:
         if self._observe is None:
@@ -60,6 +104,8 @@ class _Call:
         start, failed = time.perf_counter(), True
         try:
             await self.gate.admit(self.method, ctx)
+            await self.gate.parsed(req, ctx)
+            await self.gate.credentials(self.method, ctx, req)
             result = await inner(req, ctx)
             failed = False
             return result
@@ -70,6 +116,8 @@ class _Call:
         start, failed = time.perf_counter(), True
         try:
             await self.gate.admit(self.method, ctx)
+            await self.gate.parsed(req, ctx)
+            await self.gate.credentials(self.method, ctx, req)
             out = inner(req, ctx)
             if hasattr(out, "__aiter__"):
                 async for item in out:
@@ -82,8 +130,10 @@ class _Call:
 
 
 def _wrap(h: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
-    ser = {"request_deserializer": h.request_deserializer,
-           "response_serializer": h.response_serializer}
+    """The same method with admit/observe around it; unary requests parse tolerantly."""
+    raw = h.request_deserializer
+    deserialize = raw if h.request_streaming else tolerant(raw)
+    ser = {"request_deserializer": deserialize, "response_serializer": h.response_serializer}
     if h.unary_unary:
         inner_uu = h.unary_unary
 

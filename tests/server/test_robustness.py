@@ -171,7 +171,7 @@ def test_concurrent_clients_account_pages_exactly(daemon: Daemon) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    s = daemon.client("x").stats()
+    s = daemon.client("x").stats(whole=True)
     base, base_pinned = sum(t.pages for t in s.tiers), s.pinned_pages
     threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
     for t in threads:
@@ -181,7 +181,7 @@ def test_concurrent_clients_account_pages_exactly(daemon: Daemon) -> None:
     assert not errors, errors
     deadline = time.monotonic() + 10
     while True:  # moves may still be settling; the total is exact once they do
-        s = daemon.client("x").stats()
+        s = daemon.client("x").stats(whole=True)
         total = sum(t.pages for t in s.tiers) - base
         if total == sum(kept.values()) or time.monotonic() > deadline:
             break

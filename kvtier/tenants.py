@@ -1,0 +1,91 @@
+"""What the engine tells and allows one tenant: GPU pool admission and the tenant's Stats view.
+
+Contract (both run with the engine lock held):
+    * ``admit_pool(core, tenant, nbytes)`` raises ``CapacityError`` when a new pool of
+      ``nbytes`` does not fit the tenant's GPU quota (the message names the tenant's quota and
+      its own use) or the daemon's GPU pool budget (the message names no other tenant's use
+      and no free bytes: how full the daemon is belongs to the global view).
+    * ``tenant_stats(core, tenant)`` is the tenant's own snapshot: its pools, its pages and bytes
+      per tier (capacity: its quota, else the tier's size), its pinned and keyed pages, its
+      moves, hits, misses, evictions and drops. Queues, in-flight bytes, batch counts and
+      checksum failures are daemon-wide and read 0 here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.errors import CapacityError
+from kvtier.quotas import DIRECTIONS
+from kvtier.stats import EngineCounters, EngineStats, TierStats
+from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.core import EngineCore
+
+
+def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool) -> None:
+    """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota or the budget."""
+    mine = sum(p.num_slots * p.page_size for p in core.pools.values() if p.tenant == tenant)
+    limit = core.ledger.quota(tenant).gpu
+    if limit is not None and mine + nbytes > limit:
+        raise CapacityError(
+            f"tenant {tenant!r}: a pool of {nbytes} B exceeds its GPU quota "
+            f"({mine} B of {limit} B in use)"
+        )
+    if external:
+        return  # engine-owned memory is not the daemon's budget
+    used = sum(p.num_slots * p.page_size for p in core.pools.values() if not p.external)
+    if used + nbytes > core.config.gpu_budget_bytes:
+        raise CapacityError(f"num_slots: a pool of {nbytes} B does not fit the GPU pool budget")
+
+
+def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:
+    """The tenant's own view (see the module docstring)."""
+    pools = [p for p in core.pools.values() if p.tenant == tenant]
+    ledger, t = core.ledger, core.table
+    owner = ledger.find(tenant)
+    mine = np.flatnonzero(t.owner == owner) if owner else np.empty(0, dtype=np.int64)
+    states = t.state[mine]
+    counts = np.bincount(states[(states >= 1) & (states <= 3)], minlength=4)[1:4]
+    caps = (
+        sum(p.num_slots * p.page_size for p in pools),
+        core.host.capacity_bytes,
+        core.disk.capacity_bytes if core.disk else 0,
+    )
+    tiers = []
+    for tier in Tier:
+        used = sum(p.used_slots * p.page_size for p in pools) if tier is Tier.GPU else (
+            int(ledger.used(tier)[owner]) if owner else 0)
+        limit = int(ledger.limit[tier, owner]) if owner else -1
+        cap = caps[tier] if limit < 0 or tier is Tier.GPU else limit
+        tiers.append(TierStats(tier, used, cap, int(counts[tier])))
+    return EngineStats(
+        tiers=tuple(tiers),
+        pools=len(pools),
+        tenants=1 if pools or owner else 0,
+        queued_restores=0,
+        queued_offloads=0,
+        inflight_bytes=0,
+        pinned_pages=sum(p.pinned for p in pools),
+        keyed_pages=int(np.count_nonzero(t.pool[mine] == 0)),  # pool 0: stored blocks
+        counters=_counters(core, owner),
+    )
+
+
+def _counters(core: EngineCore, owner: int) -> EngineCounters:
+    c = EngineCounters()
+    if not owner:
+        return c
+    ledger = core.ledger
+    for direction, i in DIRECTIONS.items():
+        c.moved[direction].pages = int(ledger.moved_pages[i, owner])
+        c.moved[direction].bytes = int(ledger.moved_bytes[i, owner])
+    for tier in Tier:
+        c.evictions[tier] = int(ledger.evictions[tier, owner])
+        c.hits[tier] = int(ledger.hits[tier, owner])
+    c.misses = int(ledger.misses[owner])
+    c.drops = {r: int(a[owner]) for r, a in ledger.drops.items() if a[owner]}
+    return c
