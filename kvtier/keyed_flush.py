@@ -4,10 +4,11 @@ Contract: ``flush_keyed(core, seconds)`` runs while the engine closes, before th
 With a disk tier (and disk admission other than ``never``), every settled, unprotected keyed page
 in the CPU tier is moved to disk (the admission rule is not asked: the alternative is losing it),
 using free disk slots first, then room made by the disk policy (only keyed pages survive a
-restart, so little of value is given up for them). It waits at most ``seconds``: moves still
-queued then are cancelled (their pages stay in the CPU tier and die with the process). Pages that
-don't reach the disk are counted as ``shutdown`` drops and logged. The disk store journals the
-records of the pages that land, so they survive the exit.
+restart, so little of value is given up for them). Tenants' disk quotas hold: what a quota
+refuses is dropped as ``tenant_quota``, as the cascade does. It waits at most ``seconds``: moves
+still queued then are cancelled (their pages stay in the CPU tier and die with the process).
+Pages left in the CPU tier are counted as ``shutdown`` drops and logged. The disk store journals
+the records of the pages that land, so they survive the exit.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 class FlushResult:
     keyed: int  # keyed pages in the CPU tier when the flush began
     flushed: int  # of those, pages now on disk
-    lost: int  # the rest: counted as ``shutdown`` drops
+    lost: int  # pages still in the CPU tier (counted as ``shutdown`` drops; quota drops aside)
 
 
 def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
@@ -51,7 +52,9 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
         if len(late):
             core.cancel(late)  # queued ones come back; ones under way land after we stop waiting
         flushed = int((t.state[started] == S_DISK).sum())
-    result = FlushResult(len(rows), flushed, len(rows) - flushed)
+        states = t.state[rows]
+        left = int(((states == S_CPU) | (states == S_DOWN)).sum())  # not dropped by a quota
+    result = FlushResult(len(rows), flushed, left)
     if result.lost:
         with core.cond:
             core.counters.drop("shutdown", result.lost)
@@ -79,9 +82,11 @@ def _start(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
     """Queue the moves of as many of ``rows`` as the disk takes; the rows started."""
     disk = core.disk
     assert disk is not None
+    if core.ledger.active:  # tenants' disk quotas hold at shutdown too
+        rows = core.cascade.fit_disk_quotas(rows, page_size)
     slots = disk.alloc(page_size, len(rows))
     if slots is None:
-        core.cascade.make_disk_room(page_size, len(rows))
+        core.cascade.make_disk_room(page_size, len(rows), np.unique(core.table.owner[rows]))
         slots = disk.alloc(page_size, len(rows))
     if slots is None:  # as many as there are
         slots = []
