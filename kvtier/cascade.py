@@ -139,7 +139,7 @@ class Cascade:
             core.drop(rows[~admit], "no_admission")
         rows = rows[admit]
         if core.ledger.active:
-            rows = self._fit_disk_quotas(rows, page_size)
+            rows = self.fit_disk_quotas(rows, page_size)
         if not len(rows):
             return
         slots = core.disk.alloc(page_size, len(rows))
@@ -155,7 +155,7 @@ class Cascade:
         dsts = np.array(slots, dtype=np.int64)
         core.starts.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
 
-    def _fit_disk_quotas(self, rows: np.ndarray, page_size: int) -> np.ndarray:
+    def fit_disk_quotas(self, rows: np.ndarray, page_size: int) -> np.ndarray:
         """The rows each tenant's disk quota lets in (after dropping its own disk pages for
         room); the others are dropped."""
         owners = self._core.table.owner[rows]

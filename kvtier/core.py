@@ -382,3 +382,4 @@ class EngineCore:
             if key is not None:
                 record = DiskRecord(key=key, tenant=t.tenant_of[row])
                 self.disk.set_record(page_size, DiskSlot(slot), record)
+        self.disk.write_records()  # before any lookup can answer DISK for these keys

@@ -22,6 +22,7 @@ from kvtier.config import OffloadConfig
 from kvtier.core import EngineCore
 from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
 from kvtier.events import Event, EventSubscription
+from kvtier.keyed_flush import flush_keyed
 from kvtier.pagetable import S_CPU, S_DISK, S_DOWN, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.prefix import PrefixStore
@@ -32,6 +33,8 @@ from kvtier.tiers.device import DevicePool
 from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_name, check_priority
 from kvtier.watermark import Watermarks
+
+FLUSH_SHARE = 0.8  # of the close grace, for writing keyed CPU-tier pages to disk
 
 
 @dataclass(slots=True, frozen=True)
@@ -344,15 +347,18 @@ class TierEngine:
             )
 
     def close(self, grace: float = 10.0) -> None:
-        """Stop accepting work, finish transfers in flight, persist the disk index."""
+        """Stop accepting work, write keyed CPU-tier pages to disk (``kvtier.keyed_flush``),
+        finish transfers in flight, persist the disk index; all within about ``grace`` seconds."""
         core = self._core
+        deadline = time.monotonic() + grace
         with core.cond:
             if core.closed:
                 return
             core.closed = True
             core.wake_all()
         self._watermarks.stop()
-        core.scheduler.close(grace)
+        flush_keyed(core, grace * FLUSH_SHARE)
+        core.scheduler.close(max(0.1, deadline - time.monotonic()))
         core.inline_restore.close()
         with core.cond:
             for pool in list(core.pools.values()):

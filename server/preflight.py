@@ -93,7 +93,7 @@ def check_disk(config: OffloadConfig) -> None:
     if os.path.lexists(real) and not os.path.isdir(real):
         fail("disk_path", f"{path} exists and is not a directory")
     try:
-        os.makedirs(real, exist_ok=True)
+        os.makedirs(real, mode=0o700, exist_ok=True)  # private whatever the umask
         fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=real)
         try:
             os.write(fd, b"\0")

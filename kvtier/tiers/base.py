@@ -41,9 +41,12 @@ table maps pages to slots. Contracts:
       are durable. A read whose bytes fail the checksum returns ``False`` for that page and counts a
       checksum failure: corrupt bytes are never reported as good.
     * ``set_record(page_size, slot, record)`` attaches a persistable record (content key, tenant,
-      metadata) to a written slot; ``records()`` lists them; ``persist()`` writes the index
-      atomically (temp + fsync + rename). On open, an existing index is loaded and every record
-      whose slot lies past the end of its file is dropped and counted.
+      metadata) to a written slot; ``records()`` lists them. Every record change is journaled
+      (``tiers/disk_journal.py``: in the file within 10 ms, so it survives a kill -9 from then on);
+      ``persist()`` syncs the journal and compacts it into an atomically written snapshot once it
+      grew large. On open, the snapshot and journal are replayed (a torn tail is ignored) and
+      every record whose slot lies past the end of its file is dropped and counted. The
+      directory and files are private (0700 / 0600) whatever the umask.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
-"""The disk tier's persisted index: one JSON file, replaced atomically.
+"""The disk tier's index snapshot: one JSON file, replaced atomically.
 
-``save_index(path, entries)`` writes ``index.json.tmp``, fsyncs it, renames it over ``index.json``
-and fsyncs the directory, so a crash leaves either the old or the new index, never a mix.
-``load_index(path)`` returns the entries it can trust plus the number it dropped (malformed
-fields, a checksum that is not an unsigned 64-bit int, a duplicate slot). A missing index is empty;
-an unreadable one is empty with every record counted as dropped where they can be counted.
+``save_index(path, entries, journal)`` writes ``index.json.tmp`` (mode 0600 whatever the umask),
+fsyncs it, renames it over ``index.json`` and fsyncs the directory, so a crash leaves either the
+old or the new snapshot, never a mix. ``journal`` is the generation of the first journal file the
+snapshot does *not* contain (``kvtier.tiers.disk_journal``): older journal files are folded in.
+``load_index(path)`` returns the entries it can trust, the number it dropped (malformed fields, a
+checksum that is not an unsigned 64-bit int, a duplicate slot) and that generation (0 when absent).
+A missing index is empty; an unreadable one is empty with every record counted as dropped where
+they can be counted.
+
+Layout (version 1): ``{"version": 1, "journal": <int>, "records": [{"page_size", "slot", "key"
+(hex), "tenant", "checksum" (xxh3-64 of the page), "meta": {str: int}}, ...]}``.
 """
 
 from __future__ import annotations
@@ -15,24 +21,28 @@ import os
 from typing import Any
 
 from kvtier.tiers.base import DiskRecord, DiskSlot
+from kvtier.tiers.diskio import open_private
 
 INDEX_NAME = "index.json"
 _VERSION = 1
 _MAX_U64 = (1 << 64) - 1
+MAX_GENERATION = 10**18  # journal generations (decimal file names of at most 18 digits)
 log = logging.getLogger(__name__)
 
 IndexEntry = tuple[int, DiskSlot, DiskRecord]  # (page_size, slot, record)
 
 
-def save_index(directory: str, entries: list[IndexEntry]) -> None:
+def save_index(directory: str, entries: list[IndexEntry], journal: int = 0) -> None:
     """Atomically replace ``directory/index.json`` with ``entries``."""
     doc = {
         "version": _VERSION,
-        "records": [_encode(ps, slot, rec) for ps, slot, rec in entries],
+        "journal": journal,
+        "records": [encode_entry(ps, slot, rec) for ps, slot, rec in entries],
     }
     final = os.path.join(directory, INDEX_NAME)
     tmp = final + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+    with open(fd, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, separators=(",", ":"))
         fh.flush()
         os.fsync(fh.fileno())
@@ -44,34 +54,39 @@ def save_index(directory: str, entries: list[IndexEntry]) -> None:
         os.close(dir_fd)
 
 
-def load_index(directory: str) -> tuple[list[IndexEntry], int]:
-    """``(trusted entries, dropped count)`` from ``directory/index.json``."""
+def load_index(directory: str) -> tuple[list[IndexEntry], int, int]:
+    """``(trusted entries, dropped count, journal generation)`` from ``directory/index.json``."""
     try:
         with open(os.path.join(directory, INDEX_NAME), encoding="utf-8") as fh:
             doc = json.load(fh)
     except FileNotFoundError:
-        return [], 0
+        return [], 0, 0
     except (OSError, ValueError) as exc:
         log.warning("disk index unreadable, starting empty: %s", exc)
-        return [], 0
+        return [], 0, 0
     raw = doc.get("records") if isinstance(doc, dict) else None
-    if not isinstance(raw, list) or doc.get("version") != _VERSION:
+    journal = doc.get("journal", 0) if isinstance(doc, dict) else 0
+    if (
+        not isinstance(raw, list)
+        or doc.get("version") != _VERSION
+        or not (_is_int(journal) and 0 <= journal < MAX_GENERATION)
+    ):
         log.warning("disk index has an unknown layout, starting empty")
-        return [], len(raw) if isinstance(raw, list) else 0
+        return [], len(raw) if isinstance(raw, list) else 0, 0
     entries: list[IndexEntry] = []
     seen: set[tuple[int, int]] = set()
     dropped = 0
     for item in raw:
-        entry = _decode(item)
+        entry = decode_entry(item)
         if entry is None or (entry[0], entry[1]) in seen:
             dropped += 1
             continue
         seen.add((entry[0], entry[1]))
         entries.append(entry)
-    return entries, dropped
+    return entries, dropped, journal
 
 
-def _encode(page_size: int, slot: DiskSlot, rec: DiskRecord) -> dict[str, Any]:
+def encode_entry(page_size: int, slot: DiskSlot, rec: DiskRecord) -> dict[str, Any]:
     return {
         "page_size": page_size,
         "slot": int(slot),
@@ -82,7 +97,7 @@ def _encode(page_size: int, slot: DiskSlot, rec: DiskRecord) -> dict[str, Any]:
     }
 
 
-def _decode(item: Any) -> IndexEntry | None:
+def decode_entry(item: Any) -> IndexEntry | None:
     """A trusted entry, or None when any field is malformed."""
     if not isinstance(item, dict):
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 ALIGN = 4096
+log = logging.getLogger(__name__)
 
 
 def cbuf(ptr: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
@@ -75,3 +77,34 @@ def probe_direct(directory: str) -> bool:
         buf.close()
         if os.path.exists(probe):
             os.unlink(probe)
+
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+
+
+def private_dir(path: str) -> None:
+    """Create ``path`` as 0700 whatever the umask; an existing directory loses every "other" bit
+    and group write (it lists tenants' keys), so it ends at most 0750. A directory this process
+    may use but not chmod (another owner) is used as it is, with a warning."""
+    os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
+    mode = os.stat(path).st_mode & 0o7777
+    if mode & 0o027:
+        try:
+            os.chmod(path, mode & 0o750)
+        except PermissionError:
+            log.warning("disk tier directory %s is mode %o and not ours to tighten", path, mode)
+
+
+def open_private(path: str, flags: int) -> int:
+    """``os.open(path, flags | O_CREAT)`` of a tier file, made private (``private_fd``)."""
+    fd = os.open(path, flags | os.O_CREAT, PRIVATE_FILE)
+    private_fd(fd)  # an existing file keeps its old mode through O_CREAT
+    return fd
+
+
+def private_fd(fd: int) -> None:
+    """An open file of the tier: no "other" bits and no group write, whatever made it."""
+    mode = os.fstat(fd).st_mode & 0o7777
+    if mode & 0o027:
+        os.fchmod(fd, mode & 0o640)

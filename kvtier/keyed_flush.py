@@ -1,0 +1,99 @@
+"""Shutdown flush: keyed pages in the CPU tier go to disk so a clean restart finds them.
+
+Contract: ``flush_keyed(core, seconds)`` runs while the engine closes, before the scheduler stops.
+With a disk tier (and disk admission other than ``never``), every settled, unprotected keyed page
+in the CPU tier is moved to disk (the admission rule is not asked: the alternative is losing it),
+using free disk slots first, then room made by the disk policy (only keyed pages survive a
+restart, so little of value is given up for them). Tenants' disk quotas hold: what a quota
+refuses is dropped as ``tenant_quota``, as the cascade does. It waits at most ``seconds``: moves
+still queued then are cancelled (their pages stay in the CPU tier and die with the process).
+Pages left in the CPU tier are counted as ``shutdown`` drops and logged. The disk store journals
+the records of the pages that land, so they survive the exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, by_value
+from kvtier.types import Direction
+
+if TYPE_CHECKING:
+    from kvtier.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class FlushResult:
+    keyed: int  # keyed pages in the CPU tier when the flush began
+    flushed: int  # of those, pages now on disk
+    lost: int  # pages still in the CPU tier (counted as ``shutdown`` drops; quota drops aside)
+
+
+def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
+    """Move keyed CPU-tier pages to disk within ``seconds`` (see the module contract)."""
+    if core.disk is None or core.config.disk_admission == "never":
+        return FlushResult(0, 0, 0)
+    deadline = time.monotonic() + max(0.0, seconds)
+    t = core.table
+    with core.cond:
+        rows = _keyed_cpu_rows(core)
+        moving = [_start(core, part, size) for size, part in _by_size(core, rows)]
+        started = np.concatenate(moving) if moving else EMPTY
+        while (t.state[started] == S_DOWN).any() and time.monotonic() < deadline:
+            core.cond.wait(0.01)
+        late = started[t.state[started] == S_DOWN]
+        if len(late):
+            core.cancel(late)  # queued ones come back; ones under way land after we stop waiting
+        flushed = int((t.state[started] == S_DISK).sum())
+        states = t.state[rows]
+        left = int(((states == S_CPU) | (states == S_DOWN)).sum())  # not dropped by a quota
+    result = FlushResult(len(rows), flushed, left)
+    if result.lost:
+        with core.cond:
+            core.counters.drop("shutdown", result.lost)
+        log.warning(
+            "shutdown: %d of %d keyed CPU-tier pages not written to disk (no room or no time)",
+            result.lost, result.keyed,
+        )
+    elif result.keyed:
+        log.info("shutdown: %d keyed CPU-tier pages written to disk", result.flushed)
+    return result
+
+
+def _keyed_cpu_rows(core: EngineCore) -> np.ndarray:
+    t = core.table
+    keyed = np.fromiter(t.key_of.keys(), dtype=np.int64, count=len(t.key_of))
+    keep = (t.state[keyed] == S_CPU) & (t.protect[keyed] == 0) & (t.waiting[keyed] == 0)
+    return np.sort(keyed[keep])
+
+
+def _by_size(core: EngineCore, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    return [(size, rows[pos]) for size, pos in by_value(core.table.size[rows])]
+
+
+def _start(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
+    """Queue the moves of as many of ``rows`` as the disk takes; the rows started."""
+    disk = core.disk
+    assert disk is not None
+    if core.ledger.active:  # tenants' disk quotas hold at shutdown too
+        rows = core.cascade.fit_disk_quotas(rows, page_size)
+    slots = disk.alloc(page_size, len(rows))
+    if slots is None:
+        core.cascade.make_disk_room(page_size, len(rows), np.unique(core.table.owner[rows]))
+        slots = disk.alloc(page_size, len(rows))
+    if slots is None:  # as many as there are
+        slots = []
+        while len(slots) < len(rows) and (one := disk.alloc(page_size, 1)):
+            slots += one
+    rows = rows[: len(slots)]
+    if len(rows):
+        dsts = np.array(slots, dtype=np.int64)
+        core.starts.start_many(rows, Direction.CPU_TO_DISK, dsts, urgent=False)
+    return rows
