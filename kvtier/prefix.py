@@ -10,6 +10,10 @@ Contract:
       miss); ``load`` copies that prefix into the given slots, restoring disk blocks through CPU
       first, and returns how many leading blocks it loaded. A block whose bytes fail their checksum
       ends the prefix: a hit is exactly the stored bytes, or a miss.
+    * With a remote tier (``kvtier.remote``), stored blocks are also written behind to it (per its
+      admission rule); ``lookup`` and ``load`` look there, outside the engine lock, past the end
+      of the local prefix: a lookup answers ``Tier.REMOTE`` for those blocks, a load lands them
+      in the CPU tier first (like a disk hit). A store fault is a local-only answer.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvtier.errors import (
 )
 from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
 from kvtier.pool import Pool
+from kvtier.prefix_remote import land, offer_rows
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
@@ -101,6 +106,8 @@ class PrefixStore:
                 pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
             started += pending.submit(core)
             self._wait(started)
+            if core.remote is not None and core.remote.admission == "always":
+                offer_rows(core, _succeeded(started))
             return stored + sum(r is True for b in started for r in b.results or ())
 
     def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
@@ -146,18 +153,26 @@ class PrefixStore:
             for key in keys:
                 row = t.keyed(salt_key(tenant, key))
                 if row is None or t.state[row] == S_DROPPED:
-                    core.counters.misses += 1
                     break
                 tier = Tier(int(t.tier[row]))
                 tiers.append(tier)
                 core.counters.hits[tier] += 1
-            return tiers
+        if core.remote is not None and len(tiers) < len(keys):
+            rest = [salt_key(tenant, k) for k in keys[len(tiers) :]]
+            tiers += [Tier.REMOTE] * core.remote.contains(rest)
+        with core.cond:
+            core.counters.hits[Tier.REMOTE] += sum(x is Tier.REMOTE for x in tiers)
+            core.counters.misses += len(tiers) < len(keys)
+        return tiers
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
+        fetched = self._fetch_remote(pool_id, keys, slots)
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
+            if fetched:
+                land(core, pool.tenant, *fetched, pool.page_size)
             # A window the CPU tier can hold at once: a prefix longer than the CPU tier is
             # brought up from disk and copied in a window at a time.
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
@@ -174,6 +189,23 @@ class PrefixStore:
                     break
             return loaded
 
+    def _fetch_remote(
+        self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
+    ) -> tuple[list[bytes], list[memoryview]] | None:
+        """Verified remote payloads of the blocks just past the local prefix (a CPU window of
+        them), fetched without the engine lock; None without a remote tier or remote hits."""
+        core = self._core
+        if core.remote is None:
+            return None
+        with core.cond:
+            pool = self._pool(pool_id)
+            keys, slots = self._args(pool, keys, slots)
+            start = len(self._prefix(pool, keys))
+            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+            salted = [salt_key(pool.tenant, k) for k in keys[start : start + window]]
+        got = core.remote.fetch(salted, pool.page_size) if salted else []
+        return (salted[: len(got)], got) if got else None
+
     def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> int:
         """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""
         core = self._core
@@ -184,6 +216,8 @@ class PrefixStore:
         batches = copies.submit(core, urgent=True)
         self._wait(batches)
         core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
+        if core.remote is not None and core.remote.admission == "reused":
+            offer_rows(core, rows[core.table.hits[rows] == 0])  # first reuse
         core.table.hits[rows] += 1
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)
@@ -238,6 +272,12 @@ class PrefixStore:
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("copy of stored blocks timed out")
             self._core.cond.wait(0.05)
+
+
+def _succeeded(batches: list[Moves]) -> np.ndarray:
+    """Rows of the copies that succeeded."""
+    parts = [b.rows[np.array(b.results, dtype=object) == True] for b in batches]  # noqa: E712
+    return np.concatenate(parts) if parts else EMPTY
 
 
 def _done(batch: Moves) -> bool:

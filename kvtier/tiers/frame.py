@@ -1,0 +1,69 @@
+"""The remote tier's value format and key derivation: trust the shared store as little as possible.
+
+Contract:
+    * ``Framer(secret)`` derives two independent keys from the cluster-wide secret: one names
+      entries in the store, one authenticates their values. Nothing else is derived from it and
+      neither key (nor the secret) is ever logged or stored.
+    * ``store_key(salted)``: the store's key of a tenant-salted block key
+      (``kvtier.prefix.salt_key``): ``b"kvtier:" + hex(BLAKE2b(salted, key=name key))``.
+      Without the secret nobody can name, or find, a kvtier entry; two tenants' blocks never
+      share a store key.
+    * ``frame(salted, payload) -> bytes``: header (magic, format version, the salted key, payload
+      length) + payload + HMAC-SHA256 over header and payload under the MAC key.
+    * ``unframe(salted, value, length) -> memoryview | str``: the payload when the value is
+      exactly what a daemon holding this secret framed for ``salted`` with ``length`` payload
+      bytes; otherwise the reason it is refused (``header``, ``key``, ``length``, ``mac``): a
+      refused value is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+MAGIC = b"KVTR"
+VERSION = 1
+KEY_PREFIX = b"kvtier:"
+_HEAD = struct.Struct("<4sBB2xQ")  # magic, version, salted key length, payload length
+_MAC_BYTES = 32
+MAX_SALTED_KEY = 64
+
+
+class Framer:
+    """Store keys and framed values under one cluster-wide secret."""
+
+    __slots__ = ("_mac_key", "_name_key")
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("the remote secret must hold at least 16 bytes")
+        self._name_key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-rname").digest()
+        self._mac_key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-rmac").digest()
+
+    def store_key(self, salted: bytes) -> bytes:
+        digest = hashlib.blake2b(salted, key=self._name_key, digest_size=16).hexdigest()
+        return KEY_PREFIX + digest.encode()
+
+    def frame(self, salted: bytes, payload: bytes | memoryview) -> bytes:
+        head = _HEAD.pack(MAGIC, VERSION, len(salted), len(payload)) + salted
+        mac = hmac.new(self._mac_key, head, hashlib.sha256)
+        mac.update(payload)
+        return b"".join((head, payload, mac.digest()))
+
+    def unframe(self, salted: bytes, value: bytes, length: int) -> memoryview | str:
+        head_len = _HEAD.size + len(salted)
+        if len(value) < head_len + _MAC_BYTES:
+            return "header"
+        magic, version, key_len, n = _HEAD.unpack_from(value)
+        if magic != MAGIC or version != VERSION or key_len != len(salted):
+            return "header"
+        if value[_HEAD.size : head_len] != salted:
+            return "key"
+        if n != length or len(value) != head_len + n + _MAC_BYTES:
+            return "length"
+        view = memoryview(value)
+        mac = hmac.new(self._mac_key, view[: head_len + n], hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, view[head_len + n :]):
+            return "mac"
+        return view[head_len : head_len + n]
