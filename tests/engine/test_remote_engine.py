@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier import TierEngine, Tier
+from kvtier import Tier, TierEngine
 from kvtier.errors import ConfigError
 from kvtier.tiers.frame import Framer
 from kvtier.tiers.keyed import DictMedium
@@ -146,12 +146,12 @@ def test_secret_file_must_be_private_and_present(tmp_path):
     medium = DictMedium()
     loose = secret_file(tmp_path, name="loose")
     os.chmod(loose, 0o644)
-    with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*chmod 600"):
+    with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*chmod 600"):
         TierEngine(small_config(None, remote_secret_file=loose), remote_medium=medium)
     with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_REMOTE_SECRET_FILE"):
         TierEngine(small_config(None), remote_medium=medium)
     short = secret_file(tmp_path, b"short", name="short")
-    with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*16 bytes"):
+    with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*16 bytes"):
         TierEngine(small_config(None, remote_secret_file=short), remote_medium=medium)
 
 
