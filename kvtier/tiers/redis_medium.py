@@ -46,6 +46,7 @@ class RedisMedium(KeyedMedium):
         self._down_until = 0.0
         self._reachable = False
         self._errors: dict[str, int] = {}
+        self._node_down: dict[str, float] = {}  # Cluster node name -> back-off end
         self._closed = False
         self.cluster = False
 
@@ -83,21 +84,25 @@ class RedisMedium(KeyedMedium):
                     return None
             return self._client
 
-    def _fault_locked(self, exc: BaseException) -> str:
+    def _fault_locked(self, exc: BaseException, node: str = "") -> str:
         kind = _kind(exc)
         self._errors[kind] = self._errors.get(kind, 0) + 1
         if kind in ("connection", "timeout", "cluster"):
             if self._reachable:
-                log.warning("remote store unreachable (%s): %s", kind, type(exc).__name__)
+                log.warning("remote store %sunreachable (%s): %s", f"node {node} " if node else "",
+                            kind, type(exc).__name__)
             self._reachable = False
-            self._down_until = time.monotonic() + self._retry_after
+            until = time.monotonic() + self._retry_after
+            if node:
+                self._node_down[node] = until
+            else:
+                self._down_until = until
+        if kind == "cluster" and self._client is not None and self.cluster:
+            try:
+                self._client.nodes_manager.initialize()  # slots moved: ask the nodes again
+            except Exception:
+                self._down_until = time.monotonic() + self._retry_after
         return kind
-
-    def _fault(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._fault_locked(exc) == "cluster" and self._client is not None:
-                self._client.close()  # a changed topology: ask the nodes again on reconnect
-                self._client = None
 
     def _ok(self) -> None:
         with self._lock:
@@ -105,31 +110,63 @@ class RedisMedium(KeyedMedium):
                 log.info("remote store reachable%s", " (cluster)" if self.cluster else "")
             self._reachable = True
 
-    def _pipeline(self, keys: Sequence[Any], add: Callable[[Any, Any], None]) -> list[Any] | None:
-        """One pipelined batch; per-item results (an exception instance for a failed item), or
-        None when the whole batch failed."""
-        client = self._get()
-        if client is None or not keys:
-            return None
+    def _run(self, conn: Any, keys: Sequence[Any], add: Callable[[Any, Any], None],
+             node: str = "") -> list[Any] | None:
+        """One pipeline on one connection: per-item results (an exception instance for a failed
+        item), or None when the whole pipeline failed (counted)."""
         try:
-            pipe = client.pipeline(transaction=False) if not self.cluster else client.pipeline()
+            pipe = conn.pipeline(transaction=False)
             for key in keys:
                 add(pipe, key)
             results: list[Any] = pipe.execute(raise_on_error=False)
         except Exception as exc:
-            self._fault(exc)
+            with self._lock:
+                self._fault_locked(exc, node)
             return None
         errors = [r for r in results if isinstance(r, Exception)]
-        for err in errors[:1]:
-            self._fault(err)
+        if errors:
+            with self._lock:
+                self._fault_locked(errors[0], node)
         if len(errors) < len(results):
             self._ok()
         return results
 
+    def _pipeline(self, keys: Sequence[Any], add: Callable[[Any, Any], None],
+                  key_of: Callable[[Any], bytes] = bytes) -> list[Any] | None:
+        """Per-item results of one batch (None for an item whose pipeline failed), or None when
+        the store is down. A Cluster batch becomes one pipeline per node, each failing alone."""
+        client = self._get()
+        if client is None or not keys:
+            return None
+        if not self.cluster:
+            return self._run(client, keys, add)
+        out: list[Any] = [None] * len(keys)
+        for name, node, idx in self._by_node(client, keys, key_of):
+            with self._lock:
+                if time.monotonic() < self._node_down.get(name, 0.0):
+                    continue  # this node failed just now: its items are misses at once
+            got = self._run(client.get_redis_connection(node), [keys[i] for i in idx], add, name)
+            for i, r in zip(idx, got or (), strict=False):
+                out[i] = r
+        return out
+
+    def _by_node(self, client: Any, keys: Sequence[Any],
+                 key_of: Callable[[Any], bytes]) -> list[tuple[str, Any, list[int]]]:
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            for i, key in enumerate(keys):
+                node = client.get_node_from_key(key_of(key))
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except Exception as exc:  # no node holds a slot (cluster down): all misses
+            with self._lock:
+                self._fault_locked(exc)
+            return []
+        return [(name, node, idx) for name, (node, idx) in groups.items()]
+
     # -- KeyedMedium ---------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> int:
         ex = ttl_s if ttl_s > 0 else None
-        results = self._pipeline(items, lambda p, kv: p.set(kv[0], kv[1], ex=ex))
+        results = self._pipeline(items, lambda p, kv: p.set(kv[0], kv[1], ex=ex), _first)
         return 0 if results is None else sum(r is True for r in results)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -156,14 +193,19 @@ class RedisMedium(KeyedMedium):
                 self._client = None
 
 
+def _first(item: tuple[bytes, bytes]) -> bytes:
+    return item[0]
+
+
 def _kind(exc: BaseException) -> str:
     from redis import exceptions as rx
 
     if isinstance(exc, rx.TimeoutError):
         return "timeout"
-    if isinstance(exc, rx.ResponseError) and str(exc).startswith("OOM"):
+    if isinstance(exc, rx.OutOfMemoryError) or str(exc).startswith("OOM"):
         return "oom"
-    if isinstance(exc, rx.ClusterError | rx.ClusterDownError | rx.SlotNotCoveredError):
+    if isinstance(exc, rx.ClusterError | rx.ClusterDownError | rx.SlotNotCoveredError
+                  | rx.AskError | rx.TryAgainError):
         return "cluster"
     if isinstance(exc, rx.ConnectionError | OSError):
         return "connection"
