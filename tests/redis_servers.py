@@ -107,15 +107,16 @@ class RedisCluster:
 def start_cluster(tmp: Path, size: int = 3, timeout: float = 30.0) -> RedisCluster:
     """``size`` masters (no replicas) joined with ``redis-cli --cluster create``; a node gone
     leaves the other nodes serving their slots (``cluster-require-full-coverage no``)."""
-    nodes = []
-    for i in range(size):
-        port = free_port()
-        extra = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                 "--cluster-port", str(free_port()),
-                 "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no")
-        nodes.append(RedisServer(tmp / f"node{i}", port, extra).start())
+    nodes: list[RedisServer] = []
     cluster = RedisCluster(nodes)
     try:
+        for i in range(size):
+            port = free_port()
+            extra = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                     "--cluster-port", str(free_port()),
+                     "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no")
+            nodes.append(RedisServer(tmp / f"node{i}", port, extra))
+            nodes[-1].start()
         nodes[0].cli("--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
                      "--cluster-yes")
         deadline = time.monotonic() + timeout
