@@ -27,13 +27,15 @@ def offer_rows(core: EngineCore, rows: np.ndarray) -> int:
     remote, t = core.remote, core.table
     if remote is None or not len(rows):
         return 0
-    items: list[tuple[bytes, bytes]] = []
+    items: list[tuple[bytes, bytearray]] = []
     for row in rows[t.state[rows] == S_CPU].tolist():
         salted = t.key_of.get(row)
         if salted is None or not remote.wants(salted):
             continue
-        view = core.host.rows(int(t.size[row]), [int(t.slot[row])])[0]
-        items.append((salted, view.numpy().tobytes()))
+        size = int(t.size[row])
+        buf, body = remote.frame_buffer(salted, size)
+        np.frombuffer(body, dtype=np.uint8)[:] = core.host.rows(size, [int(t.slot[row])])[0].numpy()
+        items.append((salted, buf))
     return remote.offer(items) if items else 0
 
 

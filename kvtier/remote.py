@@ -4,7 +4,9 @@ Contract:
     * Only keyed (prefix) pages go remote, under store keys derived from the cluster-wide secret
       and the tenant-salted block key (``kvtier.tiers.frame``): no tenant can name another's
       pages, and nobody without the secret can name or forge any.
-    * ``offer(items)``: stored blocks ``(salted key, bytes)`` go to the write-behind queue
+    * ``offer(items)``: stored blocks ``(salted key, open frame)`` (``frame_buffer``: the block's
+      bytes already copied into the value's place, so framing copies nothing) go to the
+      write-behind queue
       (``kvtier.tiers.writebehind``) — bounded, its own thread; a full queue drops and counts.
       ``admission`` (always | reused | never) says whether a Store (always) or a block's first
       reuse by a Load (reused) offers it; ``never`` makes the tier read-only.
@@ -23,6 +25,7 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvtier.config import ENV_PREFIX, MIB, OffloadConfig
@@ -33,7 +36,9 @@ from kvtier.tiers.writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 RECENT_KEYS = 65536  # salted keys known to be in the store (not offered again)
-GET_BATCH_BYTES = 16 * MIB  # payload bytes fetched per pipelined batch
+GET_BATCH_BYTES = 4 * MIB  # payload bytes fetched per pipelined batch
+VERIFY_THREADS = 2  # MAC checks of received batches, overlapping the next batch's reads
+WRITE_THREADS = 2  # write-behind threads: one frames a batch while another sends one
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,15 +64,20 @@ class RemoteTier:
         self.medium, self.framer, self.admission = medium, framer, admission
         self._writer = WriteBehind(
             medium, self._encode, max_bytes=max_inflight_bytes, batch_bytes=batch_bytes,
-            ttl_s=ttl_s,
+            ttl_s=ttl_s, threads=WRITE_THREADS,
         )
+        self._verifiers = ThreadPoolExecutor(VERIFY_THREADS, "kvtier-remote-verify")
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._read_pages = self._read_bytes = 0
         self._rejected: dict[str, int] = {}
 
-    def _encode(self, salted: bytes, payload: bytes) -> tuple[bytes, bytes]:
-        return self.framer.store_key(salted), self.framer.frame(salted, payload)
+    def frame_buffer(self, salted: bytes, n: int) -> tuple[bytearray, memoryview]:
+        """A value's buffer for ``salted`` and the view its ``n`` block bytes are copied into."""
+        return self.framer.open(salted, n)
+
+    def _encode(self, salted: bytes, buf: bytearray) -> tuple[bytes, memoryview]:
+        return self.framer.store_key(salted), self.framer.seal(buf)
 
     def _remember(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -82,7 +92,7 @@ class RemoteTier:
         with self._lock:
             return salted not in self._recent
 
-    def offer(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+    def offer(self, items: Sequence[tuple[bytes, bytearray]]) -> int:
         taken = self._writer.offer(items)
         self._remember([k for k, _ in items[:taken]])
         return taken
@@ -92,19 +102,32 @@ class RemoteTier:
         return found.index(False) if False in found else len(found)
 
     def fetch(self, salted: Sequence[bytes], length: int) -> list[memoryview]:
-        out: list[memoryview] = []
+        # Batches are received one after another; each is verified on the verify threads while
+        # the next one arrives (hashing and socket reads both run without the GIL).
         step = max(1, GET_BATCH_BYTES // max(1, length))
+        pending: list[Future[list[memoryview | str | None]]] = []
         for lo in range(0, len(salted), step):
             part = salted[lo : lo + step]
             values = self.medium.get_many([self.framer.store_key(k) for k in part])
-            for key, value in zip(part, values, strict=True):
-                got = None if value is None else self.framer.unframe(key, value, length)
+            pending.append(self._verifiers.submit(self._verify, part, values, length))
+            if None in values:
+                break  # a miss ends the prefix
+        out: list[memoryview] = []
+        for fut in pending:
+            for got in fut.result():
                 if not isinstance(got, memoryview):
                     if isinstance(got, str):
                         self._count_rejected(got)
                     return self._fetched(salted, out)
                 out.append(got)
         return self._fetched(salted, out)
+
+    def _verify(
+        self, keys: Sequence[bytes], values: list[bytes | None], length: int
+    ) -> list[memoryview | str | None]:
+        unframe = self.framer.unframe
+        return [None if v is None else unframe(k, v, length) for k, v in zip(keys, values,
+                                                                           strict=True)]
 
     def _fetched(self, salted: Sequence[bytes], got: list[memoryview]) -> list[memoryview]:
         self._remember(list(salted[: len(got)]))
@@ -134,6 +157,7 @@ class RemoteTier:
 
     def close(self, timeout: float) -> None:
         self._writer.close(timeout)
+        self._verifiers.shutdown(wait=False, cancel_futures=True)
         self.medium.close()
 
 

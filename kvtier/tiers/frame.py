@@ -9,7 +9,9 @@ Contract:
       Without the secret nobody can name, or find, a kvtier entry; two tenants' blocks never
       share a store key.
     * ``frame(salted, payload) -> bytes``: header (magic, format version, the salted key, payload
-      length) + payload + HMAC-SHA256 over header and payload under the MAC key.
+      length) + payload + HMAC-SHA256 over header and payload under the MAC key. The same in two
+      steps without a copy: ``open(salted, n) -> (buffer, payload view)``, fill the view, then
+      ``seal(buffer) -> memoryview`` (computes the MAC into the buffer's tail).
     * ``unframe(salted, value, length) -> memoryview | str``: the payload when the value is
       exactly what a daemon holding this secret framed for ``salted`` with ``length`` payload
       bytes; otherwise the reason it is refused (``header``, ``key``, ``length``, ``mac``): a
@@ -45,11 +47,22 @@ class Framer:
         digest = hashlib.blake2b(salted, key=self._name_key, digest_size=16).hexdigest()
         return KEY_PREFIX + digest.encode()
 
+    def open(self, salted: bytes, n: int) -> tuple[bytearray, memoryview]:
+        head = _HEAD.size + len(salted)
+        buf = bytearray(head + n + _MAC_BYTES)
+        _HEAD.pack_into(buf, 0, MAGIC, VERSION, len(salted), n)
+        buf[_HEAD.size : head] = salted
+        return buf, memoryview(buf)[head : head + n]
+
+    def seal(self, buf: bytearray) -> memoryview:
+        view = memoryview(buf)
+        view[-_MAC_BYTES:] = hmac.new(self._mac_key, view[:-_MAC_BYTES], hashlib.sha256).digest()
+        return view
+
     def frame(self, salted: bytes, payload: bytes | memoryview) -> bytes:
-        head = _HEAD.pack(MAGIC, VERSION, len(salted), len(payload)) + salted
-        mac = hmac.new(self._mac_key, head, hashlib.sha256)
-        mac.update(payload)
-        return b"".join((head, payload, mac.digest()))
+        buf, body = self.open(salted, len(payload))
+        body[:] = payload
+        return bytes(self.seal(buf))
 
     def unframe(self, salted: bytes, value: bytes, length: int) -> memoryview | str:
         head_len = _HEAD.size + len(salted)

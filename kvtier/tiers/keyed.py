@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+Value = bytes | bytearray | memoryview
+
 
 @dataclass(slots=True)
 class MediumHealth:
@@ -38,7 +40,7 @@ class KeyedMedium(ABC):
     """A batch key-value store; every fault is a miss (see the module contract)."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> int: ...
+    def put_many(self, items: Sequence[tuple[bytes, Value]], ttl_s: int = 0) -> int: ...
 
     @abstractmethod
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
@@ -69,7 +71,7 @@ class DictMedium(KeyedMedium):
             self._errors["connection"] = self._errors.get("connection", 0) + 1
         return self.down
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, Value]], ttl_s: int = 0) -> int:
         with self._lock:
             if self._fault():
                 return 0

@@ -26,9 +26,10 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import Connection, PythonRespSerializer, SSLConnection
 from redis.retry import Retry
 
-from kvtier.tiers.keyed import KeyedMedium, MediumHealth
+from kvtier.tiers.keyed import KeyedMedium, MediumHealth, Value
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0
@@ -52,10 +53,11 @@ class RedisMedium(KeyedMedium):
 
     # -- connection ----------------------------------------------------------------------------
     def _options(self) -> dict[str, Any]:
+        tls = self._url.startswith("rediss://")
         return {
             "password": self._password, "socket_timeout": self._timeout,
             "socket_connect_timeout": self._timeout, "retry": Retry(NoBackoff(), 0),
-            "client_name": "kvtier",
+            "client_name": "kvtier", "connection_class": _TLSConnection if tls else _Connection,
         }
 
     def _connect(self) -> Any:
@@ -164,7 +166,7 @@ class RedisMedium(KeyedMedium):
         return [(name, node, idx) for name, (node, idx) in groups.items()]
 
     # -- KeyedMedium ---------------------------------------------------------------------------
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, Value]], ttl_s: int = 0) -> int:
         ex = ttl_s if ttl_s > 0 else None
         results = self._pipeline(items, lambda p, kv: p.set(kv[0], kv[1], ex=ex), _first)
         return 0 if results is None else sum(r is True for r in results)
@@ -193,7 +195,27 @@ class RedisMedium(KeyedMedium):
                 self._client = None
 
 
-def _first(item: tuple[bytes, bytes]) -> bytes:
+class _ValuesUncopied:
+    """Send large values as they are (``sendall`` of the caller's buffer). redis-py with hiredis
+    packs every command into one new bytes object (and copies a memoryview first): two copies of
+    every page. Replies are still parsed by hiredis."""
+
+    _buffer_cutoff: int
+    encoder: Any
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class _Connection(_ValuesUncopied, Connection):
+    pass
+
+
+class _TLSConnection(_ValuesUncopied, SSLConnection):
+    pass
+
+
+def _first(item: tuple[bytes, Value]) -> bytes:
     return item[0]
 
 

@@ -1,13 +1,14 @@
-"""Write-behind to a keyed medium: a bounded queue drained by its own thread.
+"""Write-behind to a keyed medium: a bounded queue drained by its own threads.
 
 Contract:
     * ``offer(items) -> int`` never blocks on the medium: it queues ``(name, payload)`` items while
       their bytes fit in ``max_bytes`` and drops (and counts, reason ``queue_full``) the rest; it
       returns how many were queued.
-    * The thread takes up to ``batch_bytes`` at a time, turns each item into a ``(store key,
-      value)`` with ``encode`` (framing and MAC happen here, off the caller's path) and writes the
-      batch with one ``put_many``; items the medium did not write are dropped and counted (reason
-      ``store``). Nothing is retried: a later Store of the same block writes it again.
+    * Each of ``threads`` writer threads takes up to ``batch_bytes`` at a time, turns each item
+      into a ``(store key, value)`` with ``encode`` (framing and MAC happen here, off the
+      caller's path) and writes the batch with one ``put_many``; items the medium did not
+      write are dropped and counted (reason ``store``). Nothing is retried: a later Store of
+      the same block writes it again.
     * ``flush(timeout) -> bool``: waits until everything offered so far is written or dropped.
       ``close(timeout)``: stops taking items, drains what is queued within ``timeout``, then drops
       the rest (counted ``closed``).
@@ -20,16 +21,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.tiers.keyed import KeyedMedium
 
-Encode = Callable[[bytes, bytes], tuple[bytes, bytes]]
+Payload = bytes | bytearray | memoryview
+Encode = Callable[[bytes, Any], tuple[bytes, Payload]]
 
 
 @dataclass(slots=True)
 class WriteCounters:
     pages: int = 0
-    bytes: int = 0  # payload bytes written
+    bytes: int = 0  # value bytes written (framed: header and MAC included)
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> pages
 
     def drop(self, reason: str, n: int) -> None:
@@ -40,20 +43,24 @@ class WriteCounters:
 class WriteBehind:
     def __init__(
         self, medium: KeyedMedium, encode: Encode, *, max_bytes: int, batch_bytes: int,
-        ttl_s: int = 0,
+        ttl_s: int = 0, threads: int = 1,
     ) -> None:
         self._medium, self._encode, self._ttl_s = medium, encode, ttl_s
         self._max_bytes, self._batch_bytes = max_bytes, max(1, batch_bytes)
-        self._queue: deque[tuple[bytes, bytes]] = deque()
+        self._queue: deque[tuple[bytes, Payload]] = deque()
         self._cond = threading.Condition()
         self.queued_bytes = 0  # queued or being written
-        self._busy = False
+        self._busy = 0  # batches being written
         self._closing = False
         self.counters = WriteCounters()
-        self._thread = threading.Thread(target=self._run, name="kvtier-remote-writer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvtier-remote-writer-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
 
-    def offer(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+    def offer(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         with self._cond:
             taken = 0
             for name, payload in items:
@@ -67,19 +74,19 @@ class WriteBehind:
                 self._cond.notify_all()
             return taken
 
-    def _take(self) -> list[tuple[bytes, bytes]] | None:
+    def _take(self) -> list[tuple[bytes, Payload]] | None:
         with self._cond:
             while not self._queue:
                 if self._closing:
                     return None
                 self._cond.wait()
-            batch: list[tuple[bytes, bytes]] = []
+            batch: list[tuple[bytes, Payload]] = []
             size = 0
             while self._queue and (not batch or size + len(self._queue[0][1]) <= self._batch_bytes):
                 item = self._queue.popleft()
                 batch.append(item)
                 size += len(item[1])
-            self._busy = True
+            self._busy += 1
             return batch
 
     def _run(self) -> None:
@@ -95,7 +102,7 @@ class WriteBehind:
                     self.counters.bytes += size * written // len(batch)
                     self.counters.drop("store", len(batch) - written)
                     self.queued_bytes -= size
-                    self._busy = False
+                    self._busy -= 1
                     self._cond.notify_all()
 
     def flush(self, timeout: float) -> bool:
@@ -116,4 +123,5 @@ class WriteBehind:
             self.queued_bytes -= sum(len(p) for _, p in self._queue)
             self._queue.clear()
             self._cond.notify_all()
-        self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
