@@ -221,3 +221,24 @@ def start_failing(tmp: Path, extra: list[str], env: dict[str, str]) -> _Failed:
     argv = [*serve_args(tmp, disk=tmp / "disk"), *extra]
     out = subprocess.run(argv, env=env, capture_output=True, timeout=60)
     return _Failed(out.returncode, (out.stdout + out.stderr).decode(errors="replace"))
+
+
+def test_a_store_slower_than_the_timeout_never_holds_a_call(redis_acl, remote_daemon):
+    a, b = remote_daemon("a", url(redis_acl)), remote_daemon("b", url(redis_acl))
+    with a.client("t") as ca, b.client("t") as cb:
+        store(ca, [b"s0"], seed=2)
+        wait_for(lambda: cb.lookup([b"s0"]) == [Tier.REMOTE], timeout=2.0)
+        redis_acl.pause()  # accepts connections, answers nothing
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                assert cb.lookup([b"s0"]) == []  # local-only answer
+                n, att, _ = load_into_fresh(cb, [b"s0"])
+                cb.detach(att)
+                store(cb, [os.urandom(8)], seed=4)
+                assert n == 0 and time.monotonic() - t0 < 3.0
+            assert cb.stats().remote.errors["timeout"] >= 1
+        finally:
+            redis_acl.resume()
+        wait_for(lambda: cb.lookup([b"s0"]) == [Tier.REMOTE], timeout=5.0)  # back by itself
+    assert a.proc.poll() is None and b.proc.poll() is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tiers.redis_medium import RedisMedium
-from tests.redis_servers import RedisServer, needs_redis, start_cluster
+from tests.redis_servers import RedisServer, free_port, needs_redis, start_cluster
 
 pytestmark = needs_redis
 TIMEOUT = 0.2
@@ -145,3 +147,39 @@ def test_cluster_spreads_keys_over_nodes_and_survives_a_node_gone(tmp_path: Path
         assert all(g is None or g == v for g, (_, v) in zip(got, data, strict=True))
     finally:
         cluster.stop()
+
+
+def _certs(tmp: Path) -> Path:
+    """A throwaway CA and a server certificate for 127.0.0.1."""
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True, timeout=60)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "1", "-subj", "/CN=kvtier-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
+    return tmp
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_tls_with_a_private_ca(tmp_path: Path) -> None:
+    certs = _certs(tmp_path)
+    tls_port = free_port()
+    s = RedisServer(tmp_path / "tls", extra=(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.crt"),
+        "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
+        "--tls-auth-clients", "no")).start()
+    try:
+        m = medium(f"rediss://127.0.0.1:{tls_port}?ssl_ca_certs={certs / 'ca.crt'}")
+        assert m.put_many(items(3)) == 3
+        assert m.get_many([b"kvtier:k1"]) == [bytes([1]) * 4096]
+        untrusted = medium(f"rediss://127.0.0.1:{tls_port}")  # the system CAs: refused
+        assert untrusted.get_many([b"kvtier:k1"]) == [None]
+        assert not untrusted.health().reachable
+        plain = medium(f"redis://127.0.0.1:{tls_port}")  # no TLS to a TLS port: a miss
+        assert plain.get_many([b"kvtier:k1"]) == [None]
+    finally:
+        s.stop()
