@@ -2,13 +2,13 @@
 
 Measures, against one real redis-server (started here on a free 127.0.0.1 port unless ``--url``):
     * store: ``engine.store`` of N pages until the write-behind queue has written them all
-      (copy to CPU, copy out, HMAC framing, pipelined SET) — GB/s and keys/s — against the raw
+      (copy to CPU, copy out, MAC framing, pipelined SET) — GB/s and keys/s — against the raw
       client's pipelined SET of values of the same size, in batches of the same bytes; and how
       long the Store call itself took (the write-behind goes on after it returns);
     * load: ``engine.load`` of those N pages into a second engine that has none of them locally
       (pipelined GET, MAC check, landing in CPU, copy into the pool) against pipelined GET;
     * the remote path alone as the engine drives it (write-behind: copy into the framed value,
-      HMAC, pipelined SET; fetch: pipelined GET, MAC check), against the same raw figures;
+      MAC, pipelined SET; fetch: pipelined GET, MAC check), against the same raw figures;
     * Lookup of 64 keys held only by the store (one pipelined EXISTS batch): p50 / p99.
 Each figure is the best of ``--rounds``; raw and kvtier alternate inside every round.
 
@@ -56,9 +56,9 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"redis://127.0.0.1:{port}"
 
 
-def engine(url: str, secret: str, page: int, n: int) -> TierEngine:
+def engine(url: str, secret: str, page: int, n: int, device: str) -> TierEngine:
     cfg = OffloadConfig(
-        device="cpu", page_size=page, cpu_memory_gb=2 * n * page / 2**30,
+        device=device, page_size=page, cpu_memory_gb=2 * n * page / 2**30,
         gpu_memory_gb=2 * n * page / 2**30, metrics_addr="", remote_url=url,
         remote_secret_file=secret, remote_timeout_ms=5000, remote_inflight_mb=4096,
         remote_ttl_s=600,
@@ -90,20 +90,21 @@ def raw_round(r: redis.Redis, values: list[bytes], batch: int) -> tuple[float, f
 class Pair:
     """Two engines on one store, created once (host memory touched by a warm-up round)."""
 
-    def __init__(self, url: str, secret: str, page: int, n: int) -> None:
+    def __init__(self, url: str, secret: str, page: int, n: int, device: str) -> None:
         self.page, self.n = page, n
-        self.a, self.b = engine(url, secret, page, n), engine(url, secret, page, n)
+        self.a, self.b = engine(url, secret, page, n, device), engine(url, secret, page, n, device)
         self.pa, self.pb = self.a.attach("bench", n), self.b.attach("bench", n)
         self.slots_a = [s for _, s in self.a.allocate(self.pa.pool_id, n)]
         self.slots_b = [s for _, s in self.b.allocate(self.pb.pool_id, n)]
-        self.pa.segments[0][self.slots_a] = torch.randint(0, 256, (n, page), dtype=torch.uint8)
+        self.pa.segments[0][self.slots_a] = torch.randint(0, 256, (n, page), dtype=torch.uint8).to(
+            self.pa.segments[0].device)
 
     def remote_only(self, tag: int) -> tuple[float, float]:
         """The remote path alone, as the engine drives it: (write-behind of N pages: copy into
-        the value, HMAC, pipelined SET; fetch of N pages: pipelined GET, MAC check) seconds."""
+        the value, MAC, pipelined SET; fetch of N pages: pipelined GET, MAC check) seconds."""
         remote, n, page = self.a.prefix._core.remote, self.n, self.page
         salted = [b"remote-only-%d-%d" % (tag, i) for i in range(n)]
-        pages = self.pa.segments[0][self.slots_a].numpy()
+        pages = self.pa.segments[0][self.slots_a].cpu().numpy()
         t0 = time.perf_counter()
         items = []
         for key, row in zip(salted, pages, strict=True):
@@ -152,6 +153,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="bytes stored and loaded per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cpu", help="the engines' GPU tier: cpu or cuda")
     args = ap.parse_args()
     page, n = args.page_kib * 1024, args.mib * MIB // (args.page_kib * 1024)
     batch = max(1, 16 * MIB // page)  # the remote tier's pipelined batch: 16 MiB
@@ -166,7 +168,7 @@ def main() -> None:
         values = [os.urandom(page) for _ in range(min(n, 64))]
         values = [values[i % len(values)] for i in range(n)]
         raw, ours, lookups = [], [], []
-        pair = Pair(url, secret, page, n)
+        pair = Pair(url, secret, page, n, args.device)
         try:
             pair.round(-1)  # warm-up: first touch of host memory, connections
             r.flushdb()
@@ -182,6 +184,7 @@ def main() -> None:
         finally:
             pair.close()
         result = report(page, n, raw, ours, lookups)
+        result["server"] = f"redis-server {r.info()['redis_version']}, 127.0.0.1"
     finally:
         if proc is not None:
             proc.kill()
@@ -189,10 +192,12 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"remote-{args.page_kib}k.json").write_text(json.dumps(result, indent=2))
+        name = f"remote-{args.device}-{args.page_kib}k.json"
+        (Path(args.out) / name).write_text(json.dumps(result, indent=2))
 
 
 def report(page: int, n: int, raw: list, ours: list, lookups: list[float]) -> dict:
+    """Best of the rounds for every rate; every Lookup sample for the latency quantiles."""
     nbytes = page * n
 
     def best(ts: list[float]) -> dict:
@@ -200,7 +205,8 @@ def report(page: int, n: int, raw: list, ours: list, lookups: list[float]) -> di
         return {"GB/s": round(nbytes / t / 1e9, 3), "keys/s": round(n / t)}
 
     out = {
-        "device": f"{os.cpu_count()} CPUs, torch {torch.__version__}, redis {redis.__version__}",
+        "device": f"{os.cpu_count()} CPUs, torch {torch.__version__}, redis-py {redis.__version__}"
+                  + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
         "page_bytes": page, "pages": n,
         "raw_set": best([x[0] for x in raw]), "raw_get": best([x[1] for x in raw]),
         "kvtier_store": best([x[0] for x in ours]), "kvtier_load": best([x[1] for x in ours]),

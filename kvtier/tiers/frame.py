@@ -9,9 +9,10 @@ Contract:
       Without the secret nobody can name, or find, a kvtier entry; two tenants' blocks never
       share a store key.
     * ``frame(salted, payload) -> bytes``: header (magic, format version, the salted key, payload
-      length) + payload + HMAC-SHA256 over header and payload under the MAC key. The same in two
-      steps without a copy: ``open(salted, n) -> (buffer, payload view)``, fill the view, then
-      ``seal(buffer) -> memoryview`` (computes the MAC into the buffer's tail).
+      length) + payload + a MAC over header and payload: keyed BLAKE3 (a PRF like keyed BLAKE2b,
+      3-4x faster than HMAC-SHA256 per core, and run without the GIL) under the MAC key. The
+      same in two steps without a copy: ``open(salted, n) -> (buffer, payload view)``, fill the
+      view, then ``seal(buffer) -> memoryview`` (computes the MAC into the buffer's tail).
     * ``unframe(salted, value, length) -> memoryview | str``: the payload when the value is
       exactly what a daemon holding this secret framed for ``salted`` with ``length`` payload
       bytes; otherwise the reason it is refused (``header``, ``key``, ``length``, ``mac``): a
@@ -23,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+
+import blake3
 
 MAGIC = b"KVTR"
 VERSION = 1
@@ -56,8 +59,11 @@ class Framer:
 
     def seal(self, buf: bytearray) -> memoryview:
         view = memoryview(buf)
-        view[-_MAC_BYTES:] = hmac.new(self._mac_key, view[:-_MAC_BYTES], hashlib.sha256).digest()
+        view[-_MAC_BYTES:] = self._mac(view[:-_MAC_BYTES])
         return view
+
+    def _mac(self, data: memoryview) -> bytes:
+        return blake3.blake3(data, key=self._mac_key).digest()
 
     def frame(self, salted: bytes, payload: bytes | memoryview) -> bytes:
         buf, body = self.open(salted, len(payload))
@@ -76,7 +82,6 @@ class Framer:
         if n != length or len(value) != head_len + n + _MAC_BYTES:
             return "length"
         view = memoryview(value)
-        mac = hmac.new(self._mac_key, view[: head_len + n], hashlib.sha256).digest()
-        if not hmac.compare_digest(mac, view[head_len + n :]):
+        if not hmac.compare_digest(self._mac(view[: head_len + n]), view[head_len + n :]):
             return "mac"
         return view[head_len : head_len + n]
