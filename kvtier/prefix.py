@@ -157,9 +157,11 @@ class PrefixStore:
                 tier = Tier(int(t.tier[row]))
                 tiers.append(tier)
                 core.counters.hits[tier] += 1
-        if core.remote is not None and len(tiers) < len(keys):
-            rest = [salt_key(tenant, k) for k in keys[len(tiers) :]]
-            tiers += [Tier.REMOTE] * core.remote.contains(rest)
+            if core.remote is None or len(tiers) == len(keys):
+                core.counters.misses += len(tiers) < len(keys)
+                return tiers
+        rest = [salt_key(tenant, k) for k in keys[len(tiers) :]]
+        tiers += [Tier.REMOTE] * core.remote.contains(rest)  # no engine lock held
         with core.cond:
             core.counters.hits[Tier.REMOTE] += sum(x is Tier.REMOTE for x in tiers)
             core.counters.misses += len(tiers) < len(keys)
