@@ -107,7 +107,7 @@ class PrefixStore:
             started += pending.submit(core)
             self._wait(started)
             if core.remote is not None and core.remote.admission == "always":
-                offer_rows(core, _succeeded(started))
+                offer_rows(core, _succeeded(pending.sent))
             return stored + sum(r is True for b in started for r in b.results or ())
 
     def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
@@ -276,9 +276,10 @@ class PrefixStore:
             self._core.cond.wait(0.05)
 
 
-def _succeeded(batches: list[Moves]) -> np.ndarray:
-    """Rows of the copies that succeeded."""
-    parts = [b.rows[np.array(b.results, dtype=object) == True] for b in batches]  # noqa: E712
+def _succeeded(sent: list[tuple[Moves, np.ndarray]]) -> np.ndarray:
+    """Rows of the copies that succeeded (a batch split by the scheduler keeps only its tail's
+    rows, but reports every result)."""
+    parts = [rows[np.array(b.results, dtype=object) == True] for b, rows in sent]  # noqa: E712
     return np.concatenate(parts) if parts else EMPTY
 
 
@@ -292,6 +293,7 @@ class _Copies:
     def __init__(self, pool: Pool, direction: Direction) -> None:
         self.pool, self.direction = pool, direction
         self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.sent: list[tuple[Moves, np.ndarray]] = []  # each batch submitted, with its rows
 
     def add(self, rows: np.ndarray, srcs: np.ndarray, dsts: np.ndarray) -> None:
         self.parts.append((rows, srcs, dsts))
@@ -305,5 +307,6 @@ class _Copies:
         batch = Moves(self.direction, pool.page_size, srcs, dsts, rows, pool.dev)
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
+        self.sent.append((batch, rows))
         core.scheduler.submit([batch])
         return [batch]

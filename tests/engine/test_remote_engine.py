@@ -72,6 +72,21 @@ def test_a_store_in_one_engine_is_found_and_loaded_exactly_by_another(pair):
     assert a.stats().remote.written_bytes == sum(len(v) for v in medium.data.values())
 
 
+def test_a_store_larger_than_one_transfer_batch_is_written_whole(tmp_path):
+    """The scheduler splits a copy batch of more than BATCH_MB: every stored block still goes."""
+    medium, n = DictMedium(), 300  # 4 KiB pages, 1 MiB batches: 256 pages a batch
+    cfg = small_config(None, remote_secret_file=secret_file(tmp_path),
+                       cpu_memory_gb=2 * n * PAGE / 2**30, gpu_memory_gb=2 * n * PAGE / 2**30)
+    with TierEngine(cfg, remote_medium=medium) as e:
+        pool = e.attach("t", n)
+        slots = [s for _, s in e.allocate(pool.pool_id, n)]
+        pool.segments[0][slots] = torch.randint(0, 256, (n, PAGE), dtype=torch.uint8)
+        keys = [b"big%d" % i for i in range(n)]
+        assert e.store(pool.pool_id, keys, slots) == n
+        assert e.prefix._core.remote.flush(10)
+        assert len(medium.data) == n
+
+
 def test_lookup_answers_local_first_then_remote(pair):
     _, (a, b) = pair
     (pool_a, slots_a), _ = stored_blocks(a, "t", 2)
