@@ -178,10 +178,29 @@ class RedisMedium(KeyedMedium):
         return [r if isinstance(r, bytes) else None for r in results]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        # Standalone: one multi-key EXISTS first (its count answers "all" or "none" in one
+        # round trip, a fifth of a 64-command pipeline's client cost); per-key only when mixed.
+        count = self._count(keys) if not self.cluster and len(keys) > 1 else None
+        if count is not None and count in (0, len(keys)):
+            return [count > 0] * len(keys)
         results = self._pipeline(keys, lambda p, k: p.exists(k))
         if results is None:
             return [False] * len(keys)
         return [r == 1 for r in results]
+
+    def _count(self, keys: Sequence[bytes]) -> int | None:
+        """How many of ``keys`` exist (a key given twice counts twice), or None on a fault."""
+        client = self._get()
+        if client is None:
+            return None
+        try:
+            count = int(client.exists(*keys))
+        except Exception as exc:
+            with self._lock:
+                self._fault_locked(exc)
+            return None
+        self._ok()
+        return count
 
     def health(self) -> MediumHealth:
         with self._lock:
