@@ -309,9 +309,13 @@ def _validate_remote(c: OffloadConfig) -> None:
         return
     m = re.fullmatch(r"(rediss?)://(?:([^:@/]*)(:[^@/]*)?@)?([\w.-]+|\[[\w:.]+\]):(\d{1,5})(/\d+)?"
                      r"(\?.*)?", c.remote_url)
-    if m is None:
-        _fail("remote_url", c.remote_url)
-    elif m.group(3):
+    if m is None:  # shown without any user:password part
+        shown = re.sub(r"//[^@/]*@", "//***@", c.remote_url)
+        raise ConfigError(
+            f"{ENV_PREFIX}REMOTE_URL={shown!r} is invalid; accepted: "
+            "redis://[user@]host:port[/db]|rediss://..."
+        )
+    if m.group(3):
         raise ConfigError(
             f"{ENV_PREFIX}REMOTE_URL must not carry a password; put it in "
             f"{ENV_PREFIX}REMOTE_PASSWORD_FILE"

@@ -47,3 +47,6 @@ def test_a_password_in_the_url_or_no_secret_is_refused():
     assert "hunter2" not in str(info.value)
     with pytest.raises(ConfigError, match="REMOTE_SECRET_FILE"):
         OffloadConfig(remote_url="redis://h:6379")
+    with pytest.raises(ConfigError, match="REMOTE_URL") as info:  # malformed: still not shown
+        OffloadConfig(remote_url="redis://u:hunter2@h", remote_secret_file="/s")
+    assert "hunter2" not in str(info.value)
