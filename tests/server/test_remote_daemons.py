@@ -137,6 +137,16 @@ def test_two_daemons_share_blocks_through_a_cluster(tmp_path, remote_daemon):
                 assert bool((att.tensor[slot] == 30 + i).all())
         assert sum(int(node.cli("dbsize")) for node in cluster.nodes) == 6
         assert sum(int(node.cli("dbsize")) > 0 for node in cluster.nodes) >= 2  # spread
+        cluster.nodes[2].stop()  # a node gone: both daemons go on serving, in time
+        with a.client("t") as ca, b.client("t") as cb:
+            for i in range(3):
+                t0 = time.monotonic()
+                store(ca, [b"after%d" % i], seed=i)
+                assert len(cb.lookup(keys)) <= 6  # an answer, whatever the gone node held
+                n, att, _ = load_into_fresh(cb, [b"after%d" % i])
+                cb.detach(att)
+                assert time.monotonic() - t0 < 5.0
+        assert a.proc.poll() is None and b.proc.poll() is None
     finally:
         cluster.stop()
 
