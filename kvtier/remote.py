@@ -13,7 +13,8 @@ Contract:
     * ``contains(salted) -> int``: how many leading keys the store holds (one pipelined batch).
     * ``fetch(salted, length) -> list[memoryview]``: the payloads of the leading keys whose
       values verify (exact bytes a daemon of this cluster stored for that tenant and key); the
-      first miss or refused value ends the list. Refusals are counted by reason.
+      first miss or refused value ends the list, and so does ``MAX_FETCH_BYTES`` (a longer
+      prefix loads in part: the caller loads the rest again). Refusals are counted by reason.
     * Every fault of the store is a miss (the medium's contract); nothing here raises for one.
 """
 
@@ -23,7 +24,7 @@ import logging
 import os
 import stat
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ from kvtier.tiers.writebehind import WriteBehind
 log = logging.getLogger(__name__)
 RECENT_KEYS = 65536  # salted keys known to be in the store (not offered again)
 GET_BATCH_BYTES = 4 * MIB  # payload bytes fetched per pipelined batch
-VERIFY_THREADS = 2  # MAC checks of received batches, overlapping the next batch's reads
+MAX_FETCH_BYTES = 256 * MIB  # payload bytes one fetch (one Load) brings at most
+FETCH_THREADS = 3  # batches read and checked at once (each on its own connection)
 WRITE_THREADS = 2  # write-behind threads: one frames a batch while another sends one
 
 
@@ -66,7 +68,7 @@ class RemoteTier:
             medium, self._encode, max_bytes=max_inflight_bytes, batch_bytes=batch_bytes,
             ttl_s=ttl_s, threads=WRITE_THREADS,
         )
-        self._verifiers = ThreadPoolExecutor(VERIFY_THREADS, "kvtier-remote-verify")
+        self._fetchers = ThreadPoolExecutor(FETCH_THREADS, "kvtier-remote-fetch")
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._read_pages = self._read_bytes = 0
@@ -102,32 +104,38 @@ class RemoteTier:
         return found.index(False) if False in found else len(found)
 
     def fetch(self, salted: Sequence[bytes], length: int) -> list[memoryview]:
-        # Batches are received one after another; each is verified on the verify threads while
-        # the next one arrives (hashing and socket reads both run without the GIL).
+        # At most MAX_FETCH_BYTES a call, in batches of GET_BATCH_BYTES: FETCH_THREADS batches
+        # are read and MAC-checked at once (on their own connections; hashing and socket reads
+        # run without the GIL), results taken in order; the first miss or refusal ends it.
+        salted = salted[: max(1, MAX_FETCH_BYTES // max(1, length))]
         step = max(1, GET_BATCH_BYTES // max(1, length))
-        pending: list[Future[list[memoryview | str | None]]] = []
-        for lo in range(0, len(salted), step):
-            part = salted[lo : lo + step]
-            values = self.medium.get_many([self.framer.store_key(k) for k in part])
-            pending.append(self._verifiers.submit(self._verify, part, values, length))
-            if None in values:
-                break  # a miss ends the prefix
+        parts = [salted[lo : lo + step] for lo in range(0, len(salted), step)]
+        ahead: deque[Future[list[memoryview | str | None]]] = deque()
         out: list[memoryview] = []
-        for fut in pending:
-            for got in fut.result():
-                if not isinstance(got, memoryview):
-                    if isinstance(got, str):
-                        self._count_rejected(got)
-                    return self._fetched(salted, out)
-                out.append(got)
-        return self._fetched(salted, out)
+        sent = 0
+        try:
+            while sent < len(parts) or ahead:
+                while sent < len(parts) and len(ahead) < FETCH_THREADS:
+                    ahead.append(self._fetchers.submit(self._get_verified, parts[sent], length))
+                    sent += 1
+                for got in ahead.popleft().result():
+                    if not isinstance(got, memoryview):
+                        if isinstance(got, str):
+                            self._count_rejected(got)
+                        return self._fetched(salted, out)
+                    out.append(got)
+            return self._fetched(salted, out)
+        finally:
+            for fut in ahead:
+                fut.cancel()  # a batch already running ends within the store's timeout
 
-    def _verify(
-        self, keys: Sequence[bytes], values: list[bytes | None], length: int
+    def _get_verified(
+        self, keys: Sequence[bytes], length: int
     ) -> list[memoryview | str | None]:
+        values = self.medium.get_many([self.framer.store_key(k) for k in keys])
         unframe = self.framer.unframe
-        return [None if v is None else unframe(k, v, length) for k, v in zip(keys, values,
-                                                                           strict=True)]
+        return [None if v is None else unframe(k, v, length)
+                for k, v in zip(keys, values, strict=True)]
 
     def _fetched(self, salted: Sequence[bytes], got: list[memoryview]) -> list[memoryview]:
         self._remember(list(salted[: len(got)]))
@@ -157,7 +165,7 @@ class RemoteTier:
 
     def close(self, timeout: float) -> None:
         self._writer.close(timeout)
-        self._verifiers.shutdown(wait=False, cancel_futures=True)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
         self.medium.close()
 
 
