@@ -43,13 +43,17 @@ class RedisMedium(KeyedMedium):
         self._url, self._password, self._timeout = url, password, timeout_s
         self._retry_after = retry_after_s
         self._lock = threading.Lock()  # guards the client, the back-off and the counters
+        self._connected = threading.Condition(self._lock)  # a connect in progress ended
         self._client: Any = None
         self._down_until = 0.0
         self._reachable = False
         self._errors: dict[str, int] = {}
         self._node_down: dict[str, float] = {}  # Cluster node name -> back-off end
         self._closed = False
+        self._connecting = False
         self.cluster = False
+        # Connect now, in the background: status shows the store's state from the start.
+        threading.Thread(target=self._get, name="kvtier-remote-connect", daemon=True).start()
 
     # -- connection ----------------------------------------------------------------------------
     def _options(self) -> dict[str, Any]:
@@ -74,17 +78,33 @@ class RedisMedium(KeyedMedium):
         return RedisCluster.from_url(self._url, require_full_coverage=False, **self._options())
 
     def _get(self) -> Any:
-        """The client, connecting if needed; None while the store is known to be down."""
+        """The client, connecting if needed (one thread connects, the others wait for it, all
+        within the connect timeout); None while the store is known to be down."""
         with self._lock:
+            if self._connecting:
+                self._connected.wait_for(lambda: not self._connecting, 2 * self._timeout)
+                return None if self._closed else self._client
             if self._closed or time.monotonic() < self._down_until:
                 return None
-            if self._client is None:
-                try:
-                    self._client = self._connect()
-                except Exception as exc:
-                    self._fault_locked(exc)
-                    return None
-            return self._client
+            if self._client is not None:
+                return self._client
+            self._connecting = True
+        client = exc = None
+        try:
+            client = self._connect()
+        except Exception as err:
+            exc = err
+        with self._lock:
+            self._connecting = False
+            self._connected.notify_all()
+            if exc is not None:
+                self._fault_locked(exc)
+                return None
+            if self._closed:
+                client.close()
+                return None
+            self._client, self._reachable = client, True
+            return client
 
     def _fault_locked(self, exc: BaseException, node: str = "") -> str:
         kind = _kind(exc)

@@ -41,6 +41,10 @@ def items(n: int, size: int = 4096, tag: bytes = b"k") -> list[tuple[bytes, byte
 
 def test_put_get_contains_roundtrip_with_ttl(server: RedisServer) -> None:
     m = medium(server.url)
+    deadline = time.monotonic() + 5
+    while not m.health().reachable:  # connected in the background, before any call
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     data = items(50)
     assert m.put_many(data, ttl_s=300) == 50
     keys = [k for k, _ in data]
