@@ -35,7 +35,7 @@ from kvtier.errors import (
 )
 from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
 from kvtier.pool import Pool
-from kvtier.prefix_remote import land, offer_rows
+from kvtier.prefix_remote import Held, hold, land, offer
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
@@ -106,9 +106,12 @@ class PrefixStore:
                 pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
             started += pending.submit(core)
             self._wait(started)
+            held: Held = []
             if core.remote is not None and core.remote.admission == "always":
-                offer_rows(core, _succeeded(pending.sent))
-            return stored + sum(r is True for b in started for r in b.results or ())
+                held = hold(core, _succeeded(pending.sent))
+            stored += sum(r is True for b in started for r in b.results or ())
+        offer(core, held)  # copies for the write-behind, without the engine lock
+        return stored
 
     def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
         """Keyed pages of ``pool``'s tenant, moving into CPU ``slots`` (a store in flight)."""
@@ -170,26 +173,36 @@ class PrefixStore:
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
         fetched = self._fetch_remote(pool_id, keys, slots)
-        with core.cond:
-            pool = self._pool(pool_id)
-            keys, slots = self._args(pool, keys, slots)
-            if fetched:
-                land(core, pool.tenant, *fetched, pool.page_size)
-            # A window the CPU tier can hold at once: a prefix longer than the CPU tier is
-            # brought up from disk and copied in a window at a time.
-            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-            loaded = 0
-            while loaded < len(keys):
-                part = keys[loaded : loaded + window]
-                rows = self._resident_prefix(pool, part)
-                try:
-                    n = self._copy_in(pool, rows, slots[loaded : loaded + len(rows)])
-                finally:
-                    core.unprotect(rows)
-                loaded += n
-                if n < len(part):
-                    break
-            return loaded
+        reused: Held = []  # blocks reused for the first time: offered once the lock is released
+        try:
+            with core.cond:
+                pool = self._pool(pool_id)
+                keys, slots = self._args(pool, keys, slots)
+                if fetched:
+                    land(core, pool.tenant, *fetched, pool.page_size)
+                return self._load_windows(pool, keys, slots, reused)
+        finally:
+            offer(core, reused)
+
+    def _load_windows(
+        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
+    ) -> int:
+        # A window the CPU tier can hold at once: a prefix longer than the CPU tier is
+        # brought up from disk and copied in a window at a time.
+        core = self._core
+        window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+        loaded = 0
+        while loaded < len(keys):
+            part = keys[loaded : loaded + window]
+            rows = self._resident_prefix(pool, part)
+            try:
+                n = self._copy_in(pool, rows, slots[loaded : loaded + len(rows)], reused)
+            finally:
+                core.unprotect(rows)
+            loaded += n
+            if n < len(part):
+                break
+        return loaded
 
     def _fetch_remote(
         self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
@@ -208,7 +221,7 @@ class PrefixStore:
         got = core.remote.fetch(salted, pool.page_size) if salted else []
         return (salted[: len(got)], got) if got else None
 
-    def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> int:
+    def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int], reused: Held) -> int:
         """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""
         core = self._core
         if not len(rows):
@@ -219,7 +232,7 @@ class PrefixStore:
         self._wait(batches)
         core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
         if core.remote is not None and core.remote.admission == "reused":
-            offer_rows(core, rows[core.table.hits[rows] == 0])  # first reuse
+            reused += hold(core, rows[core.table.hits[rows] == 0])  # first reuse
         core.table.hits[rows] += 1
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)

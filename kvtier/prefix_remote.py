@@ -1,9 +1,11 @@
 """The prefix store's side of the remote tier: stored blocks go out, remote hits come in.
 
-Contract (both functions run with the engine lock held and never touch the network):
-    * ``offer_rows(core, rows)`` copies the bytes of CPU-resident keyed pages and offers them to
-      the remote tier's write-behind queue; pages not in CPU, or known to be in the store already,
-      are skipped. The copy is taken now, so the page may move or be freed right after.
+Contract (nothing here touches the network):
+    * ``hold(core, rows) -> Held`` (engine lock held): the CPU-resident keyed pages among
+      ``rows`` that the remote tier wants (not known to be in the store), protected so they
+      stay where they are; ``offer(core, held)`` (engine lock NOT held) copies their bytes into
+      framed values, offers them to the write-behind queue, then unprotects them. The copy runs
+      without the engine lock, so acquires and loads never wait for it.
     * ``land(core, tenant, salted, payloads, page_size)`` makes verified remote payloads CPU keyed
       pages of ``tenant`` (as a disk hit is restored to CPU), skipping keys stored locally
       meanwhile; returns how many landed (fewer when the CPU tier has no room).
@@ -23,20 +25,39 @@ if TYPE_CHECKING:
     from kvtier.core import EngineCore
 
 
-def offer_rows(core: EngineCore, rows: np.ndarray) -> int:
+Held = list[tuple[int, bytes, int, int]]  # (row, salted key, page size, CPU slot)
+
+
+def hold(core: EngineCore, rows: np.ndarray) -> Held:
     remote, t = core.remote, core.table
     if remote is None or not len(rows):
-        return 0
-    items: list[tuple[bytes, bytearray]] = []
+        return []
+    held: Held = []
     for row in rows[t.state[rows] == S_CPU].tolist():
         salted = t.key_of.get(row)
-        if salted is None or not remote.wants(salted):
-            continue
-        size = int(t.size[row])
-        buf, body = remote.frame_buffer(salted, size)
-        np.frombuffer(body, dtype=np.uint8)[:] = core.host.rows(size, [int(t.slot[row])])[0].numpy()
-        items.append((salted, buf))
-    return remote.offer(items) if items else 0
+        if salted is not None and remote.wants(salted):
+            held.append((row, salted, int(t.size[row]), int(t.slot[row])))
+    if held:
+        core.protect(np.array([h[0] for h in held], dtype=np.int64))
+    return held
+
+
+def offer(core: EngineCore, held: Held) -> int:
+    remote = core.remote
+    if remote is None or not held:
+        return 0
+    try:
+        items: list[tuple[bytes, bytearray]] = []
+        if core.closed:  # the host tier is being released: nothing to copy from
+            return 0
+        for _, salted, size, slot in held:
+            buf, body = remote.frame_buffer(salted, size)
+            np.frombuffer(body, dtype=np.uint8)[:] = core.host.rows(size, [slot])[0].numpy()
+            items.append((salted, buf))
+        return remote.offer(items)
+    finally:
+        with core.cond:
+            core.unprotect(np.array([h[0] for h in held], dtype=np.int64))
 
 
 def land(

@@ -65,6 +65,7 @@ def test_a_store_in_one_engine_is_found_and_loaded_exactly_by_another(pair):
     for s, want in zip(slots_b, data, strict=True):
         assert torch.equal(pool_b.segments[0][s], want)
     assert b.lookup("t", keys) == [Tier.CPU] * 3  # landed in the CPU tier like a disk hit
+    assert not a.prefix._core.table.protect.any() and not b.prefix._core.table.protect.any()
     stats = b.stats()
     assert stats.remote is not None and stats.remote.read_pages == 3
     assert stats.counters.hits[Tier.REMOTE] == 3
@@ -155,6 +156,7 @@ def test_admission_reused_writes_on_first_reuse_never_writes_nothing(tmp_path, a
         assert e.load(pool.pool_id, [b"r0"], slots[:1]) == 1
         assert e.prefix._core.remote.flush(5)
         assert len(medium.data) == (1 if admission == "reused" else 0)
+        assert not e.prefix._core.table.protect.any()  # every page held for a copy let go
 
 
 def test_secret_file_must_be_private_and_present(tmp_path):
