@@ -35,7 +35,7 @@ from kvtier.errors import (
 )
 from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
 from kvtier.pool import Pool
-from kvtier.prefix_remote import Held, hold, land, offer
+from kvtier.prefix_remote import Held, Staged, hold, land, offer, stage, unstage
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
@@ -172,16 +172,20 @@ class PrefixStore:
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
-        fetched = self._fetch_remote(pool_id, keys, slots)
+        staged = self._fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
         reused: Held = []  # blocks reused for the first time: offered once the lock is released
         try:
             with core.cond:
                 pool = self._pool(pool_id)
                 keys, slots = self._args(pool, keys, slots)
-                if fetched:
-                    land(core, pool.tenant, *fetched, pool.page_size)
+                if staged is not None:
+                    land(core, staged)
+                    staged = None
                 return self._load_windows(pool, keys, slots, reused)
         finally:
+            if staged is not None:
+                with core.cond:
+                    unstage(core, staged)
             offer(core, reused)
 
     def _load_windows(
@@ -206,9 +210,10 @@ class PrefixStore:
 
     def _fetch_remote(
         self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
-    ) -> tuple[list[bytes], list[memoryview]] | None:
+    ) -> Staged | None:
         """Verified remote payloads of the blocks just past the local prefix (a CPU window of
-        them), fetched without the engine lock; None without a remote tier or remote hits."""
+        them), fetched and staged in CPU slots without the engine lock; None without a remote
+        tier or remote hits."""
         core = self._core
         if core.remote is None:
             return None
@@ -219,7 +224,7 @@ class PrefixStore:
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
             salted = [salt_key(pool.tenant, k) for k in keys[start : start + window]]
         got = core.remote.fetch(salted, pool.page_size) if salted else []
-        return (salted[: len(got)], got) if got else None
+        return stage(core, pool.tenant, pool.page_size, salted[: len(got)], got) if got else None
 
     def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int], reused: Held) -> int:
         """Copy CPU-resident keyed pages into pool slots; the number of leading successes."""

@@ -66,6 +66,9 @@ def test_a_store_in_one_engine_is_found_and_loaded_exactly_by_another(pair):
         assert torch.equal(pool_b.segments[0][s], want)
     assert b.lookup("t", keys) == [Tier.CPU] * 3  # landed in the CPU tier like a disk hit
     assert not a.prefix._core.table.protect.any() and not b.prefix._core.table.protect.any()
+    assert b.stats().tiers[1].used_bytes == 3 * PAGE  # the landed pages' slots, no more
+    assert b.load(pool_b.pool_id, keys, slots_b) == 3  # local now: nothing staged, nothing leaked
+    assert b.stats().tiers[1].used_bytes == 3 * PAGE
     stats = b.stats()
     assert stats.remote is not None and stats.remote.read_pages == 3
     assert stats.counters.hits[Tier.REMOTE] == 3
@@ -182,3 +185,25 @@ def test_a_full_write_queue_drops_and_counts(tmp_path):
         assert remote.offer(big) == 1  # the second does not fit in 1 MiB in flight
         assert remote.flush(5)
         assert e.stats().remote.dropped == {"queue_full": 1}
+
+
+def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pair):
+    from kvtier.prefix import salt_key
+    from kvtier.prefix_remote import land, stage
+
+    _, (a, b) = pair
+    (pool_a, slots_a), _ = stored_blocks(a, "t", 1)
+    assert a.store(pool_a.pool_id, [b"m0"], slots_a) == 1
+    core = b.prefix._core
+    assert core.remote.flush(5)
+    salted = [salt_key("t", b"m0")]
+    staged = stage(core, "t", PAGE, salted, core.remote.fetch(salted, PAGE))
+    assert staged is not None and b.stats().tiers[1].used_bytes == PAGE
+    (pool_b, slots_b), mine = stored_blocks(b, "t", 1, seed=42)
+    assert b.store(pool_b.pool_id, [b"m0"], slots_b) == 1  # stored locally meanwhile
+    with core.cond:
+        assert land(core, staged) == 0
+    assert b.stats().tiers[1].used_bytes == PAGE  # the staged slot went back
+    pool_b.segments[0][slots_b[0]].zero_()
+    assert b.load(pool_b.pool_id, [b"m0"], slots_b) == 1
+    assert torch.equal(pool_b.segments[0][slots_b[0]], mine[0])  # the local page won
