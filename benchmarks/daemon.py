@@ -8,6 +8,10 @@ Measures, in one run on one device:
 Writes ``daemon.md`` and ``daemon.json`` to ``--out``.
 
     python benchmarks/daemon.py --out results/     # CUDA if present; --device cpu for a smoke run
+
+``--idle-watches 0,256`` measures only what open, idle WatchEvents streams cost every other caller:
+Stats and a one-page gRPC Acquire (p50/p99) with that many streams open (spread over tenants
+of at most ``WATCHES_PER_TENANT`` streams, one channel each), into ``daemon_watch.{md,json}``.
 """
 
 from __future__ import annotations
@@ -157,6 +161,78 @@ def many_engines(address: str, engines: int, seconds: float) -> float:
     return sum(done) / seconds
 
 
+WATCHES_PER_TENANT = 8
+
+
+def timed(call, n: int, budget_s: float) -> dict[str, float]:
+    """p50/p99 of ``call`` over ``n`` samples, or fewer (at least 20) if ``budget_s`` runs out."""
+    lat: list[float] = []
+    stop = time.monotonic() + budget_s
+    while len(lat) < n and (len(lat) < 20 or time.monotonic() < stop):
+        t0 = time.perf_counter()
+        call()
+        lat.append(time.perf_counter() - t0)
+    return {"p50_us": q(lat, 50), "p99_us": q(lat, 99), "samples": len(lat)}
+
+
+def idle_watch_costs(address: str, counts: list[int], n: int = 500) -> dict[str, dict]:
+    """Other calls' latency with ``count`` idle WatchEvents streams open (nothing moves)."""
+    from kvtier.v1 import kvtier_pb2 as pb
+    from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+    out: dict[str, dict] = {}
+    with KVTierClient(address, "bench", timeout=60) as client:
+        att = client.attach(4)
+        ids = [p for p, _ in client.allocate(att, 1)]
+        client.release(att, ids)
+        grpc_only = dataclasses.replace(att, fast_lane=None)
+        for count in counts:
+            channels = [grpc.insecure_channel(address)
+                        for _ in range(-(-count // WATCHES_PER_TENANT))]
+            streams = [pb_grpc.KVTierStub(channels[i // WATCHES_PER_TENANT]).WatchEvents(
+                pb.WatchRequest(tenant=f"watcher-{i // WATCHES_PER_TENANT}")) for i in range(count)]
+            time.sleep(2.0)  # every stream open on the daemon
+            alive = sum(1 for s in streams if not s.done())
+
+            def acquire() -> None:
+                client.acquire(grpc_only, ids)
+                client.release(grpc_only, ids)
+
+            out[str(count)] = {"open": alive, "stats": timed(client.stats, n, 30.0),
+                               "acquire_release": timed(acquire, n, 30.0)}
+            print(json.dumps({count: out[str(count)]}), flush=True)
+            for st in streams:
+                st.cancel()
+            for ch in channels:
+                ch.close()
+            time.sleep(1.0)
+        client.detach(att)
+    return out
+
+
+def watch_main(args: argparse.Namespace) -> None:
+    counts = [int(c) for c in args.idle_watches.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_daemon(Path(tmp), args.device, 0.1, 0.1)
+        try:
+            res = idle_watch_costs(address, counts)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "daemon_watch.json").write_text(json.dumps(res, indent=2))
+    md = [f"Device: {args.device}; unix socket; one caller, gRPC only (no fast lane)", "",
+          "| idle WatchEvents streams | Stats p50 / p99 | Acquire+Release (1 page, gRPC) p50 / p99 |",
+          "|---|---|---|"]
+    for count, r in res.items():
+        s, a = r["stats"], r["acquire_release"]
+        md.append(f"| {count} (open: {r['open']}) | {s['p50_us']:.0f} / {s['p99_us']:.0f} us "
+                  f"({s['samples']} calls) | {a['p50_us']:.0f} / {a['p99_us']:.0f} us "
+                  f"({a['samples']} calls) |")
+    (args.out / "daemon_watch.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -164,7 +240,12 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--idle-watches", default="", metavar="N,N,...",
+                    help="only measure other calls with this many idle WatchEvents streams open")
     args = ap.parse_args()
+    if args.idle_watches:
+        watch_main(args)
+        return
     nbytes = int(args.gib * GIB)
     res: dict[str, object] = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     res["inproc_restore_gbs"] = inproc_restore(args.device, nbytes)

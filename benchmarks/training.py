@@ -12,6 +12,9 @@ Variants (``--variants``, comma separated; default: the preset's list):
                           waits for all but the last 1 / 2 halves' copies: memory first);
                           the best peak reduction within +10% step time is in the checks
     kvtier_act@n[~k]      one sweep point
+    kvtier_act@n+         the first n halves, copies never waited for by the host; entering the
+                          last half the compute stream waits for them (their memory goes before
+                          the peak); reloads two halves ahead of backward
     kvtier_opt_cpu, kvtier_opt_gpu_stream
                           kvtier optimizer offload (against plain GPU AdamW, fp32 master weights)
     search                the most layers that train with and without kvtier (on a GPU capped at
@@ -334,7 +337,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [v for v in a.variants if v not in ALL_VARIANTS and not ONE_POINT.fullmatch(v)]
     if bad:
         p.error(f"--variants: unknown {bad}; accepted: {','.join(ALL_VARIANTS)} or one sweep "
-                "point kvtier_act@N or kvtier_act@N~K")
+                "point kvtier_act@N, kvtier_act@N~K or kvtier_act@N+")
     if a.tiny:
         a.layers, a.hidden, a.heads, a.seq, a.vocab, a.batch = 2, 64, 4, 128, 257, 2
         a.steps, a.sweep_steps, a.warmup, a.min_numel = 1, 1, 0, 1024

@@ -57,11 +57,14 @@ def bound_of(base: Result | None, gbs: float | None) -> float | None:
     return gbs * 1e9 * (base.fwd_s + 0.1 * (base.step_s or 0)) / (base.act_peak_gib * GIB)
 
 
-def best_within(res: dict[str, Result], base: Result, slack: float = 0.10) -> Result | None:
-    """The activation row with the lowest peak whose step time is within ``slack`` of base."""
-    ok = [r for r in res.values() if r.ok and (r.groups or 0) > 0 and r.step_s is not None
-          and base.step_s and r.step_s <= (1 + slack) * base.step_s]
-    return min(ok, key=lambda r: r.peak_gib or 0.0) if ok else None
+def best_within(res: dict[str, Result], base: Result, slack: float = 0.10,
+                time: str = "step_s", peak: str = "peak_gib") -> Result | None:
+    """The activation row with the lowest ``peak`` whose ``time`` is within ``slack`` of
+    base (by default the step time and the whole peak)."""
+    limit = getattr(base, time)
+    ok = [r for r in res.values() if r.ok and (r.groups or 0) > 0
+          and getattr(r, time) is not None and limit and getattr(r, time) <= (1 + slack) * limit]
+    return min(ok, key=lambda r: getattr(r, peak) or 0.0) if ok else None
 
 
 def _vs(out: dict[str, Any], tag: str, r: Result | None, base: Result) -> None:
@@ -94,6 +97,16 @@ def checks_of(res: dict[str, Result], searched: dict[str, Result], a: argparse.N
         if best is not None:
             out["best_within_10pct_step"] = best.variant
             _vs(out, "best_within_10pct", best, base)
+        # the offload's own cost: forward+backward time (the optimizer step left out) against
+        # the activation peak
+        fb = best_within(res, base, time="fwdbwd_s", peak="act_peak_gib")
+        if fb is not None:
+            out["best_within_10pct_fwd_bwd"] = fb.variant
+            _vs(out, "best_within_10pct_fwd_bwd", fb, base)
+            cut = out.get("best_within_10pct_fwd_bwd_activation_peak_reduction")
+            if cut is not None:
+                out["target_ge_40pct_less_act_peak_at_le_10pct_fwd_bwd"] = cut >= 0.40
+        _vs(out, "save_on_cpu", res.get("save_on_cpu"), base)
     if act and soc and act.ok and soc.ok and soc.step_s:
         out["act_offload_vs_save_on_cpu_speedup"] = soc.step_s / (act.step_s or 1)
         out["act_offload_peak_vs_save_on_cpu"] = (act.peak_gib or 0) / (soc.peak_gib or 1)

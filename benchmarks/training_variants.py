@@ -23,7 +23,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      optimizer="gpu_stream", host_gb=96.0,
                      variants="no_offload,kvtier_act,sweep"),
 }
-ONE_POINT = re.compile(r"kvtier_act@\d+(~\d+)?")  # one sweep point, e.g. kvtier_act@5~2
+# one sweep point, e.g. kvtier_act@5~2; kvtier_act@5+: copies never waited for by the host, the
+# compute stream waits for them entering the last layer half (before the peak), reloads 2 ahead
+ONE_POINT = re.compile(r"kvtier_act@\d+(~\d+|\+)?")
 ALL_VARIANTS = ("no_offload", "save_on_cpu", "kvtier_act", "kvtier_act_third", "sweep",
                 "kvtier_opt_cpu", "kvtier_opt_gpu_stream", "search")
 
@@ -31,7 +33,7 @@ ALL_VARIANTS = ("no_offload", "save_on_cpu", "kvtier_act", "kvtier_act_third", "
 def offload_groups(variant: str, layers: int) -> int:
     """Layer halves offloaded by an activation variant (``kvtier_act@n``: the first ``n``)."""
     if variant.startswith("kvtier_act@"):
-        return int(variant.split("@")[1].split("~")[0])
+        return int(variant.split("@")[1].split("~")[0].rstrip("+"))
     if variant.startswith("kvtier_act_third"):
         return 2 * max(1, layers // 3)
     return 2 * layers - 2 if variant.startswith("kvtier_act") else 0
@@ -66,9 +68,12 @@ def runner_for(variant: str, layers: int, arena: Any, a: argparse.Namespace
     n = offload_groups(variant, layers)
     if not n:
         return None, nullcontext(), None
+    drained = variant.endswith("+")
     ctx, sync = get_cpu_offload_context(True, n, 2 * layers, arena=arena, min_numel=a.min_numel,
                                         pace_lag=a.pace_lag,
-                                        max_inflight_groups=inflight_bound(variant))
+                                        max_inflight_groups=inflight_bound(variant),
+                                        drain_before_group=2 * layers - 1 if drained else None,
+                                        reload_ahead=2 if drained else 1)
 
     def run(i: int, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
         assert isinstance(blk, Block)
@@ -85,6 +90,8 @@ def optimizer_for(kind: str, model: nn.Module, arena: Any) -> Any:
     if kind == "cpu":
         return OffloadedOptimizer(model.parameters(), mode="cpu", arena=arena, lr=1e-4)
     if kind == "gpu_stream":
+        # stepped after backward, so that the rows' forward+backward times are the activation
+        # offload's own (in backward the states' copies would share the link with reloads)
         return OffloadedOptimizer(model.parameters(), mode="gpu_stream", arena=arena, lr=1e-4,
-                                  bucket_mb=256)
+                                  bucket_mb=256, step_in_backward=False)
     return GpuMixedAdamW(model)

@@ -39,7 +39,7 @@ def _add_serve(sub: Any) -> None:
         f = meta[name]
         text = f"{f.metadata['doc']} Accepted: {f.metadata['accepted']}. Env: {f.metadata['env']}."
         if name == "listen":
-            p.add_argument(flag, dest=name, action="append", metavar="ADDR",
+            p.add_argument(flag, dest=name, action="append", metavar="ADDR[,ADDR...]",
                            help=text + " Repeatable.")
         else:
             p.add_argument(flag, dest=name, type=typ, help=text)
@@ -47,6 +47,7 @@ def _add_serve(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache tiering daemon.")
+    parser.add_argument("--version", action="version", version=f"kvtier {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     from kvtier.cli_status import add_status_parser
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> OffloadConfig:
     overrides = {name: getattr(args, name) for name, _ in SERVE_FLAGS.values()}
-    if overrides["listen"] is not None:
-        overrides["listen"] = tuple(overrides["listen"])
+    if overrides["listen"] is not None:  # repeatable, and each value a comma-separated list
+        overrides["listen"] = tuple(
+            a.strip() for value in overrides["listen"] for a in value.split(",") if a.strip())
     try:
         return OffloadConfig.from_env(**overrides)
     except ConfigError as exc:
@@ -77,6 +79,16 @@ def _name_flag(message: str, overrides: dict[str, Any]) -> str:
     return message
 
 
+def package_version() -> str:
+    """The installed distribution's version (``0.0.0`` when run from a bare checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kvtier.server.main import run
 
@@ -90,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args))
     except ConfigError as exc:
-        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)  # one line naming the setting
         return 2
 
 

@@ -161,6 +161,11 @@ class OffloadConfig:
         64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024"
     )
     log_level: str = _opt("info", "LOG_LEVEL", "Log verbosity.", "debug|info|warning|error")
+    # --- event streams (server) ---------------------------------------------------------------
+    max_watches: int = _opt(
+        16, "MAX_WATCHES",
+        "Most open WatchEvents streams per tenant (RESOURCE_EXHAUSTED beyond).", "1..1024",
+    )
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -285,6 +290,7 @@ def _validate(c: OffloadConfig) -> None:
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
+        ("max_watches", 1 <= c.max_watches <= 1024),
         ("remote_ttl_s", c.remote_ttl_s >= 0),
         ("remote_admission", c.remote_admission in ("always", "reused", "never")),
         ("remote_timeout_ms", 1 <= c.remote_timeout_ms <= 60000),

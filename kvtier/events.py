@@ -2,12 +2,15 @@
 
 Contract: ``EventHub.publish`` never blocks the engine: each subscription has a bounded queue and
 a slow subscriber loses its oldest events (counted in ``dropped``), never the engine's time.
+A subscriber that must not poll (the daemon's event loop) sets ``waker``: it is called, on the
+publishing thread, after each event is queued, and must only schedule work (never block).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.types import PageId, PoolId, Tier
@@ -30,11 +33,14 @@ class EventSubscription:
         self._queue: queue.Queue[Event | None] = queue.Queue(maxsize)
         self.dropped = 0
         self.closed = False
+        self.waker: Callable[[], None] | None = None
 
     def put(self, event: Event) -> None:
         while True:
             try:
                 self._queue.put_nowait(event)
+                if self.waker is not None:
+                    self.waker()
                 return
             except queue.Full:
                 try:
@@ -50,6 +56,18 @@ class EventSubscription:
             return self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def drain(self, limit: int) -> list[Event]:
+        """Up to ``limit`` queued events, without waiting (the close marker is skipped)."""
+        out: list[Event] = []
+        while len(out) < limit:
+            try:
+                event = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if event is not None:
+                out.append(event)
+        return out
 
     def close(self) -> None:
         if not self.closed:

@@ -85,7 +85,10 @@ class EngineCollector(Collector):
         queue.add_metric(["offload"], s.queued_offloads)
         yield from (used, cap, pages, queue)
         yield GaugeMetricFamily("kvtier_inflight_bytes", "Bytes in flight.", value=s.inflight_bytes)
-        yield GaugeMetricFamily("kvtier_attached_engines", "Attached pools.", value=s.pools)
+        yield GaugeMetricFamily(
+            "kvtier_attached_engines",
+            "Engine attachments: page pools created by Attach or Register and not yet detached.",
+            value=s.pools)
         yield GaugeMetricFamily("kvtier_pinned_pages", "Pinned pages.", value=s.pinned_pages)
 
     def _moves(self, s: EngineStats) -> Iterator[Metric]:
@@ -126,7 +129,9 @@ class DaemonMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, version))
         self._latency = Histogram(
-            "kvtier_rpc_latency_seconds", "gRPC call latency.", ["method"],
+            "kvtier_rpc_latency_seconds",
+            "Call latency: gRPC calls, and Acquire/Release answered on the fast lane.",
+            ["method"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self._errors = Counter(

@@ -196,9 +196,16 @@ def open_remote(config: OffloadConfig, medium: KeyedMedium | None = None) -> Rem
     secret = read_private(config.remote_secret_file, "REMOTE_SECRET_FILE")
     if len(secret) < 16:
         raise ConfigError(f"{ENV_PREFIX}REMOTE_SECRET_FILE: the secret must hold >= 16 bytes")
+    try:
+        framer = Framer(secret)
+        if medium is None:
+            from kvtier.tiers.redis_medium import RedisMedium
+    except ImportError as exc:
+        raise ConfigError(
+            f"{ENV_PREFIX}REMOTE_URL: the remote tier needs the packages redis, hiredis and "
+            f"blake3 ({exc.name} is not installed)"
+        ) from None
     if medium is None:
-        from kvtier.tiers.redis_medium import RedisMedium
-
         password = None
         if config.remote_password_file:
             raw = read_private(config.remote_password_file, "REMOTE_PASSWORD_FILE")
@@ -207,7 +214,7 @@ def open_remote(config: OffloadConfig, medium: KeyedMedium | None = None) -> Rem
             config.remote_url, password=password, timeout_s=config.remote_timeout_ms / 1000
         )
     return RemoteTier(
-        medium, Framer(secret), admission=config.remote_admission, ttl_s=config.remote_ttl_s,
+        medium, framer, admission=config.remote_admission, ttl_s=config.remote_ttl_s,
         max_inflight_bytes=config.remote_inflight_mb * MIB,
         batch_bytes=min(config.batch_bytes, 16 * MIB),
     )

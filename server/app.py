@@ -28,6 +28,7 @@ from .fastlane import FastLane, lane_path
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 SERVICE = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -56,8 +57,9 @@ def listen_addresses(config: OffloadConfig) -> tuple[list[str], str]:
     return addrs, token
 
 
-def _prepare_unix(path: str) -> None:
-    """Create the socket's directory (0750) if missing; the default one must be ours."""
+def socket_dir(path: str) -> str:
+    """Create the socket's directory (0750) if missing; the default one must be ours.
+    OSError propagates (the start-up checks name the setting)."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         os.makedirs(directory, mode=0o750, exist_ok=True)
@@ -65,6 +67,12 @@ def _prepare_unix(path: str) -> None:
     st = os.stat(directory)
     if directory == default_socket_dir() and st.st_uid != os.getuid():
         raise ConfigError(f"socket directory {directory} is owned by uid {st.st_uid}, not us")
+    return directory
+
+
+def _prepare_unix(path: str) -> None:
+    """Only after this daemon holds the socket's lock (``pidlock``): nothing live is unlinked."""
+    socket_dir(path)
     if os.path.exists(path):
         os.unlink(path)  # stale socket of a crashed daemon
 
@@ -112,11 +120,12 @@ def create_server(
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
-    lane = FastLane(engine, path) if path is not None else None
+    lane = FastLane(engine, path, observe) if path is not None else None
+    tenancy = Tenancy(engine, instance)
+    watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
         engine, device=config.resolved_device(), default_page_size=config.page_size,
-        version=version, tenancy=Tenancy(engine, instance), executor=executor, draining=draining,
-        lane=lane,
+        version=version, tenancy=tenancy, executor=executor, watches=watches, lane=lane,
     )
     kvtier_pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     health = HealthServicer()

@@ -11,6 +11,9 @@ Frames (little endian), one request then one reply, any number per connection:
 ``op``: 1 acquire, 2 release. ``status``: 0 OK, 1 use gRPC, 2 denied (unknown pool or wrong
 capability: nothing changed). A frame with ``n`` of 0 or above ``MAX_PAGES`` closes the
 connection. The socket is 0660 like the gRPC one; capabilities are never logged.
+An OK answer is counted in the RPC metrics as the method it stands for (``Acquire``/``Release``,
+code OK); "use gRPC" is not (the gRPC call that follows is), nor is "denied" (the client falls
+back to gRPC, which reports the error).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import logging
 import os
 import secrets
 import struct
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,14 +38,17 @@ REPLY = struct.Struct("<BH")
 ACQUIRE, RELEASE = 1, 2
 OK, USE_GRPC, DENIED = 0, 1, 2
 MAX_PAGES = 4096
+_METHODS = {ACQUIRE: "Acquire", RELEASE: "Release"}
 
 
 class FastLane:
     """Capabilities per pool, and the asyncio server that checks them."""
 
-    def __init__(self, engine: Any, path: str) -> None:
+    def __init__(self, engine: Any, path: str,
+                 observe: Callable[[str, str, float], None] | None = None) -> None:
         self._engine = engine
         self.path = path
+        self._observe = observe
         self._grants: dict[int, tuple[str, bytes]] = {}
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -79,7 +87,11 @@ class FastLane:
                 # Ids as int64 without a Python int each (one >= 2**63 reads negative: the
                 # engine's check refuses it, and the engine is told to use gRPC).
                 ids = np.frombuffer(await reader.readexactly(8 * n), dtype="<i8")
-                writer.write(self.answer(op, pool_id, capability, ids))
+                start = time.perf_counter()
+                reply = self.answer(op, pool_id, capability, ids)
+                if reply[0] == OK and self._observe is not None:
+                    self._observe(_METHODS[op], "OK", time.perf_counter() - start)
+                writer.write(reply)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             return  # the engine hung up, or the daemon is stopping

@@ -1,5 +1,10 @@
-"""One server interceptor at the door of every call: drain gate, token check, RPC metrics.
+"""One server interceptor at the door of every call: drain gate, token check, RPC metrics, and
+undecodable request bodies.
 
+gRPC parses a request before any handler runs, and a body that is not the method's message would
+end the call UNKNOWN with the parser's exception text. The wrapped deserializer turns it into a
+:class:`Malformed` marker instead, and the call ends INVALID_ARGUMENT "request: malformed
+<Message>" (after the drain and token checks) without touching the servicer.
 Health calls pass untouched (probes must work while draining and without a token).
 """
 
@@ -15,6 +20,30 @@ import grpc
 from .auth import HEALTH_PREFIX, TokenAuth
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
+
+
+class Malformed:
+    """Stands for a request body that did not parse as ``message`` (a message type name)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserialize`` answering :class:`Malformed` instead of raising on a bad body."""
+    if deserialize is None:
+        return None
+    name = getattr(getattr(deserialize, "__self__", None), "__name__", "request")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception:  # DecodeError, bad UTF-8 in a string field, ...: never the text
+            return Malformed(name)
+
+    return parse
 
 
 class Gate(grpc.aio.ServerInterceptor):
@@ -40,6 +69,10 @@ class Gate(grpc.aio.ServerInterceptor):
         if not self._auth.allows(method, ctx.peer(), ctx.invocation_metadata() or ()):
             await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
+    async def parsed(self, req: Any, ctx: Any) -> None:
+        if isinstance(req, Malformed):
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed {req.message}")
+
     def done(self, name: str, ctx: Any, start: float, failed: bool) -> None:
         if self._observe is None:
             return
@@ -60,6 +93,7 @@ class _Call:
         start, failed = time.perf_counter(), True
         try:
             await self.gate.admit(self.method, ctx)
+            await self.gate.parsed(req, ctx)
             result = await inner(req, ctx)
             failed = False
             return result
@@ -70,6 +104,7 @@ class _Call:
         start, failed = time.perf_counter(), True
         try:
             await self.gate.admit(self.method, ctx)
+            await self.gate.parsed(req, ctx)
             out = inner(req, ctx)
             if hasattr(out, "__aiter__"):
                 async for item in out:
@@ -82,8 +117,10 @@ class _Call:
 
 
 def _wrap(h: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
-    ser = {"request_deserializer": h.request_deserializer,
-           "response_serializer": h.response_serializer}
+    """The same method with admit/observe around it; unary requests parse tolerantly."""
+    raw = h.request_deserializer
+    deserialize = raw if h.request_streaming else tolerant(raw)
+    ser = {"request_deserializer": deserialize, "response_serializer": h.response_serializer}
     if h.unary_unary:
         inner_uu = h.unary_unary
 

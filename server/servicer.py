@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from functools import partial
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
 
+from kvtier.errors import KVTierError
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -24,6 +25,7 @@ from . import convert, validate
 from .errors import is_internal, shortfall, status_for
 from .fastlane import FastLane
 from .tenancy import Tenancy
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,7 +35,7 @@ Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(
         self, engine: Any, *, device: str, default_page_size: int, version: str,
-        tenancy: Tenancy, executor: Executor, draining: asyncio.Event,
+        tenancy: Tenancy, executor: Executor, watches: WatchHub,
         lane: FastLane | None = None,
     ) -> None:
         self._engine = engine
@@ -43,7 +45,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._tenancy = tenancy
         self._executor = executor
         self._lane = lane
-        self._draining = draining
+        self._watches = watches
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
         try:
@@ -60,8 +62,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         ref = req.pool
         if not req.HasField("pool") or ref.instance != self._tenancy.instance or not req.page_ids:
             return None
-        if len(req.page_ids) > 4096:
-            return None
+        if len(req.page_ids) > 4096 or not 0 <= req.timeout_s < math.inf:
+            return None  # the full path reports a bad timeout_s
         pages = np.array(req.page_ids, dtype=np.int64)  # in C; the engine refuses bad ids
         result: list[int] | None = self._engine.try_acquire(ref.tenant, PoolId(ref.pool_id), pages)
         return result
@@ -73,6 +75,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Attach(self, req: pb.AttachRequest, ctx: Ctx) -> pb.AttachReply:
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
+            validate.layout(req.layout)
             validate.device(req.device, self._device)
             size = validate.page_size(req.page_size, self._page_size)
             slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
@@ -93,6 +96,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
+            validate.layout(req.layout)
             prio = validate.default_priority(req.default_priority)
             views = open_segments(req.segments, self._device)
             pool = self._engine.register(tenant, views, default_priority=prio)
@@ -215,20 +219,19 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         return await self._run(ctx, call)
 
     async def WatchEvents(self, req: pb.WatchRequest, ctx: Ctx) -> AsyncIterator[pb.Event]:
-        def open_sub() -> Any:
+        def check() -> None:
             validate.tenant(req.tenant)
-            if req.pool_id:
+            if validate.non_negative(req.pool_id, "pool_id"):
                 self._tenancy.owned(pb.PoolRef(tenant=req.tenant, pool_id=req.pool_id))
-            return self._engine.subscribe()
 
-        sub = await self._run(ctx, open_sub)
-        sees = partial(self._tenancy.sees, req.tenant, req.pool_id)
+        await self._run(ctx, check)
         try:
-            while not self._draining.is_set():
-                ev = await self._run(ctx, lambda: sub.get(0.25))
-                if ev is None:
-                    continue
-                if await self._run(ctx, partial(sees, ev)):
-                    yield convert.event(ev)
+            watch = self._watches.open(req.tenant, req.pool_id)  # waits on the loop, no thread
+        except KVTierError as exc:
+            await ctx.abort(*status_for(exc))
+            raise  # unreachable: abort raises
+        try:
+            while (event := await watch.next()) is not None:
+                yield convert.event(event)
         finally:
-            sub.close()
+            self._watches.close(watch)

@@ -51,9 +51,3 @@ class Tenancy:
             return str(self._engine.pool(PoolId(pool_id)).tenant)
         except (NotFound, FailedPrecondition):
             return None
-
-    def sees(self, tenant: str, pool_filter: int, event: Any) -> bool:
-        """Whether a subscriber of ``tenant`` (0 = all its pools) may see ``event``."""
-        if event.pool_id is None or (pool_filter and event.pool_id != pool_filter):
-            return False
-        return self.owner(event.pool_id) == tenant

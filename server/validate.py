@@ -12,20 +12,25 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import InvalidArgument
+from kvtier.validate import check_name
 
 MAX_IDS = 1 << 16  # ids, keys or pages in one call
 MAX_KEY_BYTES = 64
 MAX_TENANT_CHARS = 128
 MAX_POOL_SLOTS = 1 << 24
 MAX_SEGMENTS = 4096
+MAX_LAYOUT_CHARS = 4096  # a free-form description, kept in the log only
 
 
 def tenant(name: str, field: str = "tenant") -> str:
+    """The engine's own rule (``kvtier.validate.check_name``): 1..128 characters of ASCII
+    letters, digits and ``._:@/-``, starting with a letter or digit. One rule for every call,
+    so a name the daemon accepts anywhere is one an Attach accepts too."""
     if not name:
         raise InvalidArgument(field, "must not be empty")
-    if len(name) > MAX_TENANT_CHARS or not name.isprintable():
-        raise InvalidArgument(field, f"must be 1..{MAX_TENANT_CHARS} printable characters")
-    return name
+    if len(name) > MAX_TENANT_CHARS:
+        raise InvalidArgument(field, f"must be at most {MAX_TENANT_CHARS} characters")
+    return check_name(field, name)
 
 
 def count(value: int, field: str, limit: int = MAX_IDS) -> int:
@@ -96,8 +101,19 @@ def num_slots(num_pages: int, nbytes: int, which: str | None, size: int) -> int:
     if which == "bytes":
         if nbytes < size:
             raise InvalidArgument("bytes", f"must hold at least one page of {size} bytes")
-        return count(nbytes // size, "bytes", MAX_POOL_SLOTS)
+        if nbytes // size > MAX_POOL_SLOTS:
+            raise InvalidArgument(
+                "bytes", f"must be at most {MAX_POOL_SLOTS * size} ({MAX_POOL_SLOTS} pages of "
+                f"{size} bytes), got {nbytes}")
+        return nbytes // size
     raise InvalidArgument("size", "set num_pages or bytes")
+
+
+def layout(text: str, field: str = "layout") -> str:
+    if len(text) > MAX_LAYOUT_CHARS:
+        raise InvalidArgument(field, f"must be at most {MAX_LAYOUT_CHARS} characters, "
+                                     f"got {len(text)}")
+    return text
 
 
 def device(requested: str, actual: str, field: str = "device") -> str:

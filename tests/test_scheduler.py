@@ -39,10 +39,14 @@ def wait_taken(sched: TransferScheduler) -> None:
     raise AssertionError("lane never took the first batch")
 
 
-def make(gate: threading.Event, batch_bytes: int = 4096):
+def make(gate: threading.Event, batch_bytes: int = 4096,
+         gated: tuple[Direction, ...] = tuple(Direction)):
+    """A scheduler whose ``gated`` directions block on ``gate``; the others run at once."""
     log: list = []
     done: list[int] = []  # sources of completed columns
-    handlers = {d: Gated(d, log, gate) for d in Direction}
+    open_gate = threading.Event()
+    open_gate.set()
+    handlers = {d: Gated(d, log, gate if d in gated else open_gate) for d in Direction}
     sched = TransferScheduler(
         handlers,
         batch_bytes=batch_bytes,
@@ -70,16 +74,25 @@ def test_queued_restore_goes_before_queued_offloads_on_the_shared_disk_lane():
 
 
 def test_restore_lane_is_not_blocked_by_an_offload_backlog():
+    """The offload lane stays stuck on its first batch while a restore is submitted: the
+    restore must finish anyway, with the offload backlog still queued."""
     gate = threading.Event()
-    sched, _log, done = make(gate)
+    sched, _log, done = make(gate, gated=(Direction.GPU_TO_CPU,))
     try:
         sched.submit([mv(Direction.GPU_TO_CPU, range(50))])
-        gate.set()
+        for _ in range(1000):  # until the offload lane holds a batch (blocked on the gate)
+            if sched.depth()[1] < 50:
+                break
+            threading.Event().wait(0.005)
         sched.submit([mv(Direction.CPU_TO_GPU, [777])])
-        while 777 not in done:
-            threading.Event().wait(0.001)
-        assert sched.depth()[0] == 0
+        for _ in range(2000):
+            if 777 in done:
+                break
+            threading.Event().wait(0.005)
+        assert done == [777], done  # no offload finished: the restore did not wait behind them
+        assert sched.depth()[0] == 0 and sched.depth()[1] > 0
     finally:
+        gate.set()
         sched.close(1)
 
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-
-import blake3
+from typing import Any
 
 MAGIC = b"KVTR"
 VERSION = 1
@@ -38,11 +37,14 @@ MAX_SALTED_KEY = 64
 class Framer:
     """Store keys and framed values under one cluster-wide secret."""
 
-    __slots__ = ("_mac_key", "_name_key")
+    __slots__ = ("_blake3", "_mac_key", "_name_key")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < 16:
             raise ValueError("the remote secret must hold at least 16 bytes")
+        from blake3 import blake3  # only a daemon with a remote tier needs it
+
+        self._blake3: Any = blake3
         self._name_key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-rname").digest()
         self._mac_key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-rmac").digest()
 
@@ -63,7 +65,7 @@ class Framer:
         return view
 
     def _mac(self, data: memoryview) -> bytes:
-        return blake3.blake3(data, key=self._mac_key).digest()
+        return bytes(self._blake3(data, key=self._mac_key).digest())
 
     def frame(self, salted: bytes, payload: bytes | memoryview) -> bytes:
         buf, body = self.open(salted, len(payload))

@@ -132,6 +132,7 @@ def get_cpu_offload_context(
     arena: BufferArena | None = None, min_numel: int = DEFAULT_MIN_NUMEL,
     pace_lag: int = DEFAULT_PACE_LAG,
     max_inflight_groups: int | None = DEFAULT_MAX_INFLIGHT_GROUPS,
+    drain_before_group: int | None = None, reload_ahead: int = 1,
 ) -> tuple[Any, ...]:
     """``(ctx, sync_fn)``, plus a :class:`ManualOffloadSynchronizer` in manual mode.
 
@@ -141,6 +142,10 @@ def get_cpu_offload_context(
     ``max_inflight_groups``: at each boundary wait for the copies of all but the last that many
     layers (default 1: memory first, a forward no faster than the copies); None: never wait for
     a copy (fastest; offload only as many layers as the forward can hide).
+    ``drain_before_group=n``: entering layer ``n`` the compute stream waits for every copy in
+    flight and their device memory goes at once (memory first before the peak, no host wait;
+    pair it with ``max_inflight_groups=None``). ``reload_ahead``: layers reloaded ahead of
+    backward (default 1).
     """
     if not 0 <= num_layers <= model_layers:
         raise InvalidArgument("num_layers", f"must be in [0, model_layers={model_layers}]")
@@ -150,7 +155,8 @@ def get_cpu_offload_context(
     off = ActivationOffloader(arena=arena, should_offload=lambda g: g < num_layers,
                               group_count=model_layers, min_numel=min_numel,
                               manual=manual_synchronization, offload_stream=offload_stream,
-                              pace_lag=pace_lag, max_inflight_groups=max_inflight_groups)
+                              pace_lag=pace_lag, max_inflight_groups=max_inflight_groups,
+                              drain_before_group=drain_before_group, reload_ahead=reload_ahead)
     ctx = OffloadContext(off)
     if manual_synchronization:
         return ctx, ctx.sync, ManualOffloadSynchronizer(off)

@@ -12,7 +12,9 @@ and never call ``pin_memory()`` themselves. Contracts:
       stream never waits for it; the host is held a few saves behind the device while copies are
       in flight, and by default waits at each boundary for the copies of all but the latest layer:
       ``max_inflight_groups=None`` never waits), and they are reloaded one layer ahead of backward
-      (the sync_fn's backward prefetches); one whose device copy is still held then is used as is.
+      (the sync_fn's backward prefetches; ``reload_ahead`` layers); one whose device copy is
+      still held then is used as is. ``drain_before_group=n``: entering layer ``n`` the compute
+      stream waits for the copies in flight and their device memory goes at once.
     * Offloaded: floating point, not an ``nn.Parameter`` or a view of one, not
       ``mark_not_offload``-ed, ``numel() >= min_numel`` (default ``256 * 1024``), contiguous or a
       view whose storage is at most 4x its size (copied once for all its views). Everything else
@@ -29,8 +31,10 @@ and never call ``pin_memory()`` themselves. Contracts:
     * Wraps a ``torch.optim`` class; master weights (optional, fp32) and optimizer states live on
       the host (``state_tier="cpu"``) or on disk (``"disk"``, prefetched one bucket ahead).
     * ``mode="cpu"``: gradients offloaded as above, the step runs on the CPU per bucket (in a
-      worker thread), updated weights are copied back. ``mode="gpu_stream"``: the step runs on the
-      device bucket by bucket, states streamed through two device staging buffers.
+      worker thread) as soon as the bucket's gradients have landed (during backward unless
+      ``step_in_backward=False`` or inside ``no_sync()``), and the worker copies each bucket's
+      updated weights back at once. ``mode="gpu_stream"``: the step runs on the device bucket by
+      bucket (during backward by default), states streamed through two device staging buffers.
     * ``state_dict()``/``load_state_dict()`` round-trip master weights and states exactly; loading
       re-syncs the working weights from the master weights.
 

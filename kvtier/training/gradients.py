@@ -5,8 +5,12 @@ every parameter. When all parameters of a bucket have their gradient for this ba
 gradients are copied to a pinned staging buffer (D2H stream, after an event on the compute stream),
 the device gradients are freed (``p.grad = None``), and a worker thread adds the staged values into
 the bucket's host gradient buffer (``accum_dtype``, default the parameter's dtype) once the copy's
-event is done. Several backward passes therefore accumulate on the host, exactly like ``p.grad``
-would; ``zero()`` forgets them. ``buckets`` (lists of parameters) may replace ``bucket_mb``.
+event is done. The first gradient of a parameter since ``zero()`` whose dtype is the buffer's is
+copied straight into the host buffer (no staging, no host-side copy). Several backward passes
+therefore accumulate on the host, exactly like ``p.grad`` would; ``zero()`` forgets them.
+``buckets`` (lists of parameters) may replace ``bucket_mb``. ``GradBucket.landed`` is the
+completion of the bucket's latest device->host copy (ordered after the compute stream's work
+when the bucket's last gradient arrived).
 ``wait()`` flushes partially complete buckets (parameters that got
 no gradient stay absent) and waits for the worker; worker errors surface there.
 """
@@ -38,8 +42,10 @@ class GradBucket:
         self.stage_layout = FlatLayout.build([p.shape for p in params], [("g", params[0].dtype)])
         self.raw = get_buffer(arena, self.layout.nbytes)
         self.grads = self.layout.views(self.raw, "grad")
-        self.present = [False] * len(params)
+        self.present = [False] * len(params)  # written by the worker, after the copy landed
+        self.claimed = [False] * len(params)  # written by the hook: a copy into grads[i] issued
         self.arrived: set[int] = set()
+        self.landed: Any = None  # CopyDone of the latest device->host copy
         self.pending: list[Future[None]] = []
 
 
@@ -75,34 +81,43 @@ class GradientOffloader:
             self._flush(bucket)
 
     def _flush(self, b: GradBucket) -> None:
-        """Stage the arrived gradients of ``b`` to host, free them on the device, accumulate."""
+        """Copy the arrived gradients of ``b`` to host, free them on the device, accumulate."""
         idx = sorted(i for i in b.arrived if b.params[i].grad is not None)
         b.arrived.clear()
         if not idx:
             return
-        raw = get_buffer(self.arena, b.stage_layout.nbytes)
-        stage = b.stage_layout.views(raw, "g")
+        # a first gradient of the buffer's own dtype lands in place; the rest is staged
+        direct = [i for i in idx if not b.claimed[i]] if b.dtype == b.params[0].dtype else []
+        staged = [i for i in idx if i not in direct]
+        raw = get_buffer(self.arena, b.stage_layout.nbytes) if staged else None
+        stage = b.stage_layout.views(raw, "g") if raw is not None else []
+        dsts = [b.grads[i] if i in direct else stage[i] for i in idx]
         srcs = [b.params[i].grad for i in idx]
-        event = self.streams.copy_many("d2h", [stage[i] for i in idx],
-                                       [g for g in srcs if g is not None])
+        event = self.streams.copy_many("d2h", dsts, [g for g in srcs if g is not None])
+        b.landed = event
         for i in idx:
+            b.claimed[i] = True
             b.params[i].grad = None
-        b.pending.append(self.executor.submit(self._accumulate, b, raw, stage, idx, event))
+        b.pending.append(self.executor.submit(self._accumulate, b, raw, stage, staged, direct,
+                                              event))
         if self.on_ready is not None:
             self.on_ready(b)
 
-    def _accumulate(self, b: GradBucket, raw: torch.Tensor, stage: list[torch.Tensor],
-                    idx: list[int], event: Any) -> None:
+    def _accumulate(self, b: GradBucket, raw: torch.Tensor | None, stage: list[torch.Tensor],
+                    staged: list[int], direct: list[int], event: Any) -> None:
         try:
             StreamPair.synchronize(event)
-            for i in idx:
+            for i in direct:
+                b.present[i] = True
+            for i in staged:
                 if b.present[i]:
                     b.grads[i].add_(stage[i])
                 else:
                     b.grads[i].copy_(stage[i])
                     b.present[i] = True
         finally:
-            self.arena.put_buffer(raw)
+            if raw is not None:
+                self.arena.put_buffer(raw)
 
     # ---- caller side -----------------------------------------------------------------------
     def flush(self) -> None:
@@ -131,6 +146,7 @@ class GradientOffloader:
         self.wait()
         for b in self.buckets:
             b.present = [False] * len(b.params)
+            b.claimed = [False] * len(b.params)
 
     def host_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The host gradient of ``p`` (call ``wait()`` first), or None if it got none."""

@@ -6,15 +6,24 @@
 Contract:
     * ``mode="cpu"``: gradients leave the device bucket by bucket during backward (see
       ``gradients.py``; they accumulate on the host across backward passes), the step runs on the
-      CPU in a worker thread (``fused=True`` when the class supports it), and updated weights are
-      copied back (cast to the working dtype on the CPU, then one H2D copy per bucket) while the
-      next bucket steps. ``step()`` consumes the host gradients. With ``step_in_backward=True``
-      a bucket's step starts as soon as its gradients are in, unless inside ``no_sync()`` (use it
-      for every micro-batch but the last); clipping is then impossible.
+      CPU in a worker thread (``fused=True`` when the class supports it), and each bucket's
+      updated weights are copied back (cast to the working dtype on the CPU, then one H2D copy)
+      by the worker as soon as that bucket has stepped, ordered after the bucket's own gradient
+      copy only. ``step()`` consumes the host gradients and makes the compute stream wait for
+      each bucket's weight copy (the host waits only for steps not yet done).
+      ``step_in_backward=True`` (default): a bucket's step starts as soon as its gradients have
+      landed, during the backward, unless inside ``no_sync()`` (use it for every micro-batch of
+      an accumulation but the last; a bucket that gets gradients again after its step started
+      raises :class:`FailedPrecondition`); clipping then needs ``step_in_backward=False``.
+      Steps in backward assume that no backward work queued after a parameter's gradient is
+      complete reads that parameter (true of autograd's own nodes, which read a weight in the
+      node that produces its gradient; not of a use through ``.detach()``).
     * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
       the working dtype is not fp32 and ``master_weights``) live on the host and are streamed
-      through two device staging buffers: bucket ``i + 1`` is loaded while bucket ``i`` steps and
-      bucket ``i - 1`` is written back.
+      through two device staging buffers (``streamed.py``): bucket ``i + 1`` is loaded while
+      bucket ``i`` steps and bucket ``i - 1`` is written back. With ``step_in_backward`` (not
+      for the disk tier) a bucket steps on the compute stream as soon as autograd has
+      accumulated its gradients, which are then freed; ``no_sync()`` as in cpu mode.
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
       read one bucket ahead of use.
     * ``master_weights`` (cpu mode: the host copy is fp32 when True, the working dtype when
@@ -39,6 +48,7 @@ from kvtier.training.buckets import FlatLayout, make_buckets
 from kvtier.training.gradients import GradBucket, GradientOffloader
 from kvtier.training.states import StateStore
 from kvtier.training.stepping import OptBucket, state_keys, with_fused
+from kvtier.training.streamed import DeviceStepper
 from kvtier.training.streams import StreamPair
 
 _MODES = ("cpu", "gpu_stream")
@@ -52,7 +62,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  = torch.optim.AdamW, *, mode: str = "cpu", master_weights: bool = True,
                  state_tier: str = "cpu", arena: BufferArena | None = None,
                  disk_path: str | None = None, disk_store: Any = None, bucket_mb: float = 64,
-                 step_in_backward: bool = False, timeout_s: float = 600.0,
+                 step_in_backward: bool = True, timeout_s: float = 600.0,
                  **optim_kwargs: Any) -> None:
         if mode not in _MODES:
             raise InvalidArgument("mode", f"{mode!r}; accepted: {'|'.join(_MODES)}")
@@ -62,7 +72,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise InvalidArgument("disk_path", "state_tier='disk' needs disk_path or disk_store")
         super().__init__(params, dict(optim_kwargs))
         self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
-        self.step_in_backward = step_in_backward and mode == "cpu"
+        self.step_in_backward = step_in_backward and (mode == "cpu" or state_tier == "cpu")
         self.arena = arena if arena is not None else default_arena()
         self.streams = StreamPair()
         self._no_sync = False
@@ -82,7 +92,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 accum_dtype=torch.float32 if master_weights else None, executor=self.executor,
                 on_ready=self._on_grads_ready, buckets=[b.params for b in self.buckets],
                 timeout_s=timeout_s)
-        self._out_events: list[Any] = [None] * len(self.buckets)
+        self.stepper: DeviceStepper | None = None
+        self._hooks: list[Any] = []
+        self._arrived: list[set[int]] = []
+        if mode == "gpu_stream":
+            self.stepper = DeviceStepper(self.buckets, self.states, self.streams, self._hyper)
+            if self.step_in_backward:
+                self._watch_device_grads()
+        self._h2d: list[Any] = [None] * len(self.buckets)  # cpu mode: weight copy per bucket
 
     # ---- construction ----------------------------------------------------------------------
     def _make_buckets(self, cls: type[torch.optim.Optimizer], nbytes: int) -> list[OptBucket]:
@@ -119,8 +136,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self.mode != "cpu" or (b.master_dtype == b.params[0].dtype
                                   and not self.states.on_disk):
             return None
-        layout = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
-        return get_buffer(self.arena, layout.nbytes)
+        return get_buffer(self.arena, self._cast_layout(b).nbytes)
 
     @torch.no_grad()
     def _init_masters(self) -> None:
@@ -143,14 +159,48 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._no_sync = prev
 
     def _on_grads_ready(self, gb: GradBucket) -> None:
-        if self.step_in_backward and not self._no_sync:
-            b = self.buckets[gb.index]
-            if b.future is None:
-                b.future = self.executor.submit(self._cpu_step, b)
+        if not self.step_in_backward or self._no_sync:
+            return
+        b = self.buckets[gb.index]
+        if b.future is not None:
+            raise FailedPrecondition(
+                f"optimizer bucket {b.index} got gradients again after its step started in "
+                "backward: accumulate inside no_sync() or pass step_in_backward=False")
+        b.future = self.executor.submit(self._cpu_step, b)
+
+    def _watch_device_grads(self) -> None:
+        """gpu_stream: step each bucket once autograd has accumulated all of its gradients."""
+        where = {id(p): b.index for b in self.buckets for p in b.params}
+        arrived = self._arrived = [set() for _ in self.buckets]
+
+        def hook(p: torch.Tensor) -> None:
+            k = where[id(p)]
+            arrived[k].add(id(p))
+            complete = len(arrived[k]) == len(self.buckets[k].params)
+            if complete:
+                arrived[k].clear()
+            stepper = self.stepper
+            assert stepper is not None
+            if self._no_sync:
+                return
+            if len(arrived[k]) == 1:
+                stepper.stage(k)  # the bucket's first gradient: start loading its states
+            if complete:
+                if k in stepper.done:
+                    raise FailedPrecondition(
+                        f"optimizer bucket {k} got gradients again after its step in "
+                        "backward: accumulate inside no_sync() or pass step_in_backward=False")
+                stepper.step_bucket(k)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook)
+                       for b in self.buckets for p in b.params]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all gradients by their total norm (wherever they are); returns the norm."""
+        if self.stepper is not None and self.stepper.done:
+            raise FailedPrecondition("bucket steps already started (step_in_backward): "
+                                     "gradients can no longer be clipped")
         if self.grads is None:
             params = [p for g in self.param_groups for p in g["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
@@ -183,21 +233,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _hyper(self, b: OptBucket) -> dict[str, Any]:
         return self.param_groups[b.group]
 
+    @torch.no_grad()
     def _cpu_step(self, b: OptBucket) -> None:
-        """Worker thread: step bucket ``b`` on its host copy."""
+        """Worker thread: step bucket ``b`` on its host copy, then start its weight copy back."""
         assert self.grads is not None
         gb = self.grads.buckets[b.index]
+        StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
         blob = self.states.acquire(b.index)
         self.states.prefetch(b.index + 1)
         views = b.views(blob)
         grads = [g if ok else None for g, ok in zip(gb.grads, gb.present, strict=True)]
         b.run(views["master"], grads, views, self._hyper(b))
         cast = self._cast[b.index]
+        srcs = views["master"]
         if cast is not None:
-            w = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
-            for dst, src in zip(w.views(cast, "w"), views["master"], strict=True):
+            srcs = self._cast_layout(b).views(cast, "w")
+            for dst, src in zip(srcs, views["master"], strict=True):
                 dst.copy_(src)
+        # the bucket's weights were last used by backward work enqueued before its gradient
+        # copy: the copy back needs no later point of the compute stream
+        self._h2d[b.index] = self.streams.copy_many(
+            "h2d", list(b.params), srcs, after=gb.landed, after_compute=gb.landed is None)
         self.states.release(b.index, dirty=True)
+
+    @staticmethod
+    def _cast_layout(b: OptBucket) -> FlatLayout:
+        return FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
 
     def _wait(self, b: OptBucket) -> None:
         fut, b.future = b.future, None
@@ -213,68 +274,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             if b.future is None:
                 b.future = self.executor.submit(self._cpu_step, b)
-        events = []
         for b in self.buckets:
             self._wait(b)
-            cast = self._cast[b.index]
-            if cast is not None:
-                w = FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
-                srcs = w.views(cast, "w")
-            else:
-                srcs = b.layout.views(self.states.acquire(b.index), "master")
-            events.append(self.streams.copy_many("h2d", list(b.params), srcs))
-        for e in events:
-            StreamPair.wait_on_compute(e)
+            StreamPair.wait_on_compute(self._h2d[b.index])
         self.states.flush()
         self.grads.zero()
 
-    def _stage_in(self, b: OptBucket, dev: torch.Tensor, after: list[Any]) -> tuple[Any, Any]:
-        blob = self.states.acquire(b.index)
-        n = b.layout.nbytes
-        return blob, self.streams.copy_many("h2d", [dev[:n]], [blob], after=after)
-
     def _step_gpu_stream(self) -> None:
-        if not self.buckets:
-            return
-        device = self.buckets[0].params[0].device
-        size = max(b.layout.nbytes for b in self.buckets)
-        slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
-        staged: dict[int, tuple[Any, Any]] = {}
-        out: dict[int, Any] = {}
-        for i, b in enumerate(self.buckets):
-            for k in (i, i + 1):
-                if k < len(self.buckets) and k not in staged:
-                    self.states.prefetch(k)
-                    staged[k] = self._stage_in(self.buckets[k], slots[k % 2],
-                                               [out.get(k - 2), self._out_events[k]])
-            blob, ready = staged.pop(i)
-            StreamPair.wait_on_compute(ready)
-            out[i] = self._gpu_bucket_step(b, slots[i % 2][: b.layout.nbytes], blob)
-            if self.states.on_disk:
-                StreamPair.synchronize(out[i])
-                self.states.release(i, dirty=True)
-        self._out_events = [out[i] for i in range(len(self.buckets))]
-        self.states.flush()
-
-    def _gpu_bucket_step(self, b: OptBucket, dev: torch.Tensor, blob: torch.Tensor) -> Any:
-        """Step bucket ``b`` staged in ``dev``; start writing it back to ``blob``."""
-        views = b.views(dev)
-        targets = views["master"] if b.has_master else b.params
-        mdt = b.master_dtype
-        grads = [None if p.grad is None else p.grad.to(mdt) if mdt else p.grad
-                 for p in b.params]
-        b.run(targets, grads, views, self._hyper(b))
-        if b.has_master:
-            for p, m in zip(b.params, views["master"], strict=True):
-                p.copy_(m)
-        return self.streams.copy_many("d2h", [blob], [dev])
+        assert self.stepper is not None
+        self.stepper.finish()
+        for arrived in self._arrived:
+            arrived.clear()  # parameters that got no gradient this step
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _finish(self) -> None:
         for b in self.buckets:
             if b.future is not None:
                 self._wait(b)
-        StreamPair.synchronize(*self._out_events)
+        StreamPair.synchronize(*self._h2d, *(self.stepper.out if self.stepper else []))
         self.states.flush()
 
     def _param_ids(self) -> dict[int, int]:
@@ -332,6 +349,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Stop the worker, remove hooks and return host buffers to the arena."""
         self._finish()
+        for h in self._hooks:
+            h.remove()
         if self.grads is not None:
             self.grads.close()
         self.executor.shutdown(wait=True)

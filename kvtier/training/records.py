@@ -39,6 +39,7 @@ class OffloadStats:
     prefetches: int = 0
     host_waits: int = 0  # times the host waited for the compute stream to catch up
     copy_waits: int = 0  # times the host waited for copies (``max_inflight_groups``)
+    device_waits: int = 0  # times the compute stream waited for copies (``drain_before_group``)
 
 
 def span_of(t: torch.Tensor) -> tuple[int, int] | None:

@@ -18,6 +18,11 @@ Contract of :class:`ActivationOffloader`:
       free for the next layer), so the forward runs no faster than the copies. ``None`` never
       waits for a copy: fastest, and the right choice when only as many layers are offloaded as
       the forward can hide (copies still running at the end of forward stay in the peak).
+    * ``drain_before_group=n``: at the boundary entering group ``n`` the compute stream (not the
+      host) waits for every copy in flight and their device copies are dropped at once: memory
+      first at one chosen point (before the peak), with no host wait and no later in-place
+      write able to race a copy. ``reload_ahead``: how many groups below the one whose backward
+      is next are reloaded (default 1).
     * Host buffers go back to the arena once their copies are seen done; until then the offloader
       keeps them and reuses one for a copy of the same size, ordered after them on the device.
     * A reload allocates on the compute stream, fills on the reload stream, and the compute stream
@@ -63,7 +68,8 @@ class ActivationOffloader:
                  group_count: int, min_numel: int = DEFAULT_MIN_NUMEL, manual: bool = False,
                  offload_stream: Any = None, streams: Any = None,
                  pace_lag: int = DEFAULT_PACE_LAG,
-                 max_inflight_groups: int | None = DEFAULT_MAX_INFLIGHT_GROUPS) -> None:
+                 max_inflight_groups: int | None = DEFAULT_MAX_INFLIGHT_GROUPS,
+                 drain_before_group: int | None = None, reload_ahead: int = 1) -> None:
         if min_numel < 0:
             raise InvalidArgument("min_numel", f"must be >= 0, got {min_numel}")
         if pace_lag < 1:
@@ -71,7 +77,11 @@ class ActivationOffloader:
         if max_inflight_groups is not None and max_inflight_groups < 1:
             raise InvalidArgument("max_inflight_groups",
                                   f"must be >= 1 or None, got {max_inflight_groups}")
+        if reload_ahead < 1:
+            raise InvalidArgument("reload_ahead", f"must be >= 1, got {reload_ahead}")
         self.pace_lag = pace_lag
+        self.drain_before_group = drain_before_group
+        self.reload_ahead = reload_ahead
         self.max_inflight_groups = max_inflight_groups
         self.epoch = 0  # boundaries passed (never wraps)
         self.arena = arena if arena is not None else default_arena()
@@ -210,6 +220,20 @@ class ActivationOffloader:
                 done.synchronize()
             self._reap()
 
+    def _drain_on_device(self) -> None:
+        """The compute stream waits for every copy in flight; their device copies go now."""
+        q = self._inflight
+        if not q:
+            return
+        self.streams.wait_on_compute(q[-1].copy_done)  # one copy stream: the last covers all
+        self.stats.device_waits += 1
+        while q:
+            rec = q.popleft()
+            rec.inflight = False
+            if rec.releasable and not rec.keep:
+                self._drop_views(rec)
+                self.stats.released_bytes += rec.nbytes
+
     def _take_buffer(self, nbytes: int) -> tuple[torch.Tensor, list[CopyDone | None]]:
         """A host buffer: a cooling one of that size (the copy is ordered after its last use
         on the device), else one from the arena."""
@@ -276,6 +300,8 @@ class ActivationOffloader:
         if self.group >= self.group_count:
             self.group = 0
             self.groups = {}
+        if self.group == self.drain_before_group:
+            self._drain_on_device()
         return groups, g
 
     def commit_backward(self, groups: Groups, g: int) -> None:
@@ -283,7 +309,7 @@ class ActivationOffloader:
         self._pace()
         self._reap()
         self._recycle_done()
-        prev = groups.get(g - 1, ())
+        prev = [r for k in range(1, self.reload_ahead + 1) for r in groups.get(g - k, ())]
         if prev:
             self.stats.prefetches += 1
         for rec in (*groups.get(g, ()), *prev):

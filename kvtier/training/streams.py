@@ -67,21 +67,25 @@ class StreamPair:
         return s
 
     def copy_many(self, which: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-                  after: Any = None, *, record: bool = True) -> CopyDone | None:
+                  after: Any = None, *, record: bool = True,
+                  after_compute: bool = True) -> CopyDone | None:
         """``dst.copy_(src)`` for each pair on the ``"d2h"`` or ``"h2d"`` stream, ordered after
         the compute stream's work so far (and ``after``: a :class:`CopyDone` or a list of them,
         ``None`` entries skipped); returns one completion (``None`` when no CUDA tensor is
         involved: the copies are then already done). ``record=False``: the caller keeps every
         device tensor alive until the completion is seen (or orders the compute stream after
         it) itself, so the allocator need not hold their memory until the side stream's later
-        work is done as well."""
+        work is done as well. ``after_compute=False``: ordered after ``after`` only (a worker
+        thread's copy whose hazards ``after`` already covers, issued while the compute stream
+        runs work the copy must not wait for)."""
         device = cuda_device_of(*dsts, *srcs)
         if device is None:
             for d, s in zip(dsts, srcs, strict=True):
                 d.copy_(s)
             return None
         stream = self._stream(which, device)
-        stream.wait_event(torch.cuda.current_stream(device).record_event())
+        if after_compute:
+            stream.wait_event(torch.cuda.current_stream(device).record_event())
         for done in after if isinstance(after, list | tuple) else [after]:
             if done is not None:
                 done.wait_on(stream)

@@ -153,16 +153,20 @@ class KVTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Free(self, request, context):
-        """Drops pages wherever they live. NOT_FOUND: an unknown page (nothing freed).
+        """Drops pages wherever they live, pinned ones included (their pins go with them, and their
+        slots may be handed out by the next Allocate at once). NOT_FOUND: an unknown page (nothing
+        freed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
-        """Makes pages resident in the pool (restore-first) and pins them (pins nest); slots in request
-        order. RESOURCE_EXHAUSTED: not enough unpinned slots. DATA_LOSS: a page's bytes were dropped.
-        DEADLINE_EXCEEDED: restore did not finish within timeout_s (or the call's deadline).
+        """Makes pages resident in the pool (restore-first) and pins them (pins nest across calls; a
+        duplicate id in one call pins once); slots in request order. RESOURCE_EXHAUSTED: not enough
+        unpinned slots. DATA_LOSS: a page's bytes were dropped. DEADLINE_EXCEEDED: restore did not
+        finish within timeout_s (or the call's deadline). INVALID_ARGUMENT: timeout_s negative,
+        NaN or infinite (even when every page is resident).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -207,7 +211,10 @@ class KVTierServicer:
 
     def Store(self, request, context):
         """Copies pinned slots into keyed host pages (content keys are salted per tenant by the daemon).
-        Returns how many keys are stored; keys already present count as stored.
+        Returns how many keys are stored. A key already present counts as stored and keeps the bytes
+        first stored under it, even when the slot now holds other bytes (a key names content); so
+        does a key repeated within one call. FAILED_PRECONDITION: a slot of an attached pool whose
+        page is not acquired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,7 +222,9 @@ class KVTierServicer:
 
     def Lookup(self, request, context):
         """Longest stored prefix of the chained keys: one tier per found key, stopping at the first miss.
-        Another tenant's keys are never found.
+        Another tenant's keys are never found. A snapshot and a hint: it spans every page size of
+        the tenant, so a later Load may copy fewer keys (even 0) than it found, e.g. a key stored
+        from a pool of another page size, or a block dropped or failing its checksum since.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,7 +232,8 @@ class KVTierServicer:
 
     def Load(self, request, context):
         """Copies keyed pages into slots. Returns the number of leading keys loaded; a corrupt or dropped
-        block ends the prefix early (never wrong bytes).
+        block, or one stored with another page size than this pool's, ends the prefix early (never
+        wrong bytes). Blocks on disk are read back through the host tier first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -237,7 +247,10 @@ class KVTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Page events of the caller's pools, until the client cancels or the daemon drains.
+        """Page events of the caller's pools, until the client cancels or the daemon drains (the
+        stream then ends OK). At most KVCACHED_OFFLOAD_MAX_WATCHES open streams per tenant (default
+        16) and 1,024 in all: RESOURCE_EXHAUSTED beyond. A reader slower than the events loses the
+        oldest ones (a backlog of 1,024 per stream). An open, idle stream costs other calls nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,10 +57,16 @@ def test_cpu_full_cascades_to_disk_and_back(make_engine):
         ids += [p for p, _ in got]
         engine.release(pool.pool_id, [p for p, _ in got])
     expected = fill(engine, pool, ids, seed=1)
-    tiers = {engine.page_info(pool.pool_id, p).tier for p in ids}
-    assert Tier.DISK in tiers
-    verify(engine, pool, expected)
-    assert engine.stats().counters.moved  # counted
+    tiers = [engine.page_info(pool.pool_id, p).tier for p in ids]
+    on_disk = tiers.count(Tier.DISK)
+    assert on_disk > 0
+    moved = engine.stats().counters.moved
+    assert moved[Direction.GPU_TO_CPU].pages >= 20  # 24 pages through 4 GPU slots
+    assert moved[Direction.CPU_TO_DISK].pages >= on_disk
+    verify(engine, pool, expected)  # reads each disk page back through the CPU tier
+    moved = engine.stats().counters.moved
+    assert moved[Direction.DISK_TO_CPU].pages >= on_disk
+    assert moved[Direction.CPU_TO_GPU].pages >= on_disk
     assert engine.stats().tiers[1].used_bytes <= 8 * PAGE
 
 
@@ -248,10 +254,19 @@ def test_offload_hint_and_prefetch(make_engine):
     got = engine.allocate(pool.pool_id, 4)
     ids = [p for p, _ in got]
     engine.release(pool.pool_id, ids)
+    expected = fill(engine, pool, ids, seed=7)
     assert engine.offload(pool.pool_id, ids) == 4
-    engine.acquire(pool.pool_id, ids[:1])  # waits for the in-flight offload or cancels it
+    slots = engine.acquire(pool.pool_id, ids[:1])  # waits for the in-flight offload or cancels it
+    assert slots is not None and len(slots) == 1
+    assert engine.page_info(pool.pool_id, ids[0]).state is PageState.GPU
     engine.release(pool.pool_id, ids[:1])
-    assert engine.prefetch(pool.pool_id, ids) >= 0
+    assert engine.wait_idle(10)
+    assert [engine.page_info(pool.pool_id, p).state for p in ids[1:]] == [PageState.CPU] * 3
+    assert engine.prefetch(pool.pool_id, ids) == 3  # the three on the CPU tier; not the GPU one
+    assert engine.wait_idle(10)
+    assert {engine.page_info(pool.pool_id, p).state for p in ids} == {PageState.GPU}
+    assert engine.stats().pinned_pages == 0  # prefetch does not pin
+    verify(engine, pool, expected)
 
 
 def test_acquire_a_whole_pool_spread_over_cpu_and_disk(make_engine):

@@ -194,8 +194,8 @@ def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pa
     _, (a, b) = pair
     (pool_a, slots_a), _ = stored_blocks(a, "t", 1)
     assert a.store(pool_a.pool_id, [b"m0"], slots_a) == 1
+    assert a.prefix._core.remote.flush(5)
     core = b.prefix._core
-    assert core.remote.flush(5)
     salted = [salt_key("t", b"m0")]
     staged = stage(core, "t", PAGE, salted, core.remote.fetch(salted, PAGE))
     assert staged is not None and b.stats().tiers[1].used_bytes == PAGE

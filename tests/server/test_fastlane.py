@@ -132,3 +132,33 @@ def test_the_asyncio_client_takes_the_fast_lane_too(daemon: Daemon) -> None:
             await c.detach(att)
 
     asyncio.run(scenario())
+
+
+def rpc_counts(daemon: Daemon) -> dict[str, float]:
+    """kvtier_rpc_latency_seconds_count per method, scraped from the daemon's /metrics."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvtier_rpc_latency_seconds_count{"):
+            method = line.split('method="', 1)[1].split('"', 1)[0]
+            out[method] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_fast_lane_calls_are_counted_in_the_rpc_metrics(daemon: Daemon) -> None:
+    with daemon.client("lane-metrics") as c:
+        att = c.attach(4)
+        ids = [p for p, _ in c.allocate(att, 2) or []]
+        c.release(att, ids)
+        before, hits = rpc_counts(daemon), att.fast_lane.hits
+        for _ in range(25):
+            c.acquire(att, ids)
+            c.release(att, ids)
+        after = rpc_counts(daemon)
+        assert att.fast_lane.hits - hits == 50  # every call took the lane
+        assert after.get("Acquire", 0) - before.get("Acquire", 0) == 25
+        assert after.get("Release", 0) - before.get("Release", 0) == 25
+        c.detach(att)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.errors import InvalidArgument
 from kvtier.training import get_cpu_offload_context
 from kvtier.training.activations import ActivationOffloader, OffloadContext
 from kvtier.training.base import OffloadRaceError
@@ -236,3 +237,36 @@ def test_views_of_parameters_stay(arena: Any) -> None:
     y.backward()
     assert ctx.stats.offloaded_bytes == x.numel() * 4  # the input only
     assert ctx.stats.kept_bytes >= lin.weight.numel() * 4
+
+
+def test_drain_before_group_orders_compute_after_copies_without_host_wait(arena: Any) -> None:
+    fake = FakeStreams()
+    off = ActivationOffloader(arena=arena, should_offload=lambda g: g < 2, group_count=3,
+                              min_numel=1, streams=fake, max_inflight_groups=None,
+                              drain_before_group=2, reload_ahead=2)
+    ctx = OffloadContext(off)
+    w = torch.randn(256, 256, requires_grad=True)
+    with ctx:
+        h = ctx.sync((w * w).tanh())
+    assert off._inflight and "compute_wait" not in fake.log  # copies still running: held
+    with ctx:
+        h = ctx.sync((h * h).tanh())
+    # entering group 2: the compute stream waits, the device copies go, the host never waited
+    assert not off._inflight and fake.log.count("compute_wait") == 1
+    assert ctx.stats.device_waits == 1
+    assert ctx.stats.released_bytes == ctx.stats.offloaded_bytes > 0
+    with ctx:
+        y = ctx.sync((h * h).sum())
+    y.backward()
+    ref = w.detach().clone().requires_grad_(True)
+    h2 = (ref * ref).tanh()
+    ((h2 * h2).tanh() ** 2).sum().backward()
+    assert torch.equal(w.grad, ref.grad)
+    assert ctx.stats.reloaded_bytes == ctx.stats.offloaded_bytes  # everything came back
+    assert "host_wait" not in fake.log
+
+
+def test_reload_ahead_must_be_positive(arena: Any) -> None:
+    with pytest.raises(InvalidArgument, match="reload_ahead"):
+        ActivationOffloader(arena=arena, should_offload=lambda g: True, group_count=2,
+                            reload_ahead=0)

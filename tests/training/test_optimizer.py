@@ -96,7 +96,7 @@ def test_fp32_accumulation_and_clipping_bit_exact(tiny: SimpleNamespace, arena: 
                                                   tmp_path: Path, mode: str, tier: str) -> None:
     ref, ours = tiny.make_model(), tiny.make_model()
     train(tiny, ref, RefPlain(ref), range(3), accum=2, clip=0.5)
-    opt = offloaded(ours, arena, tmp_path, mode, tier)
+    opt = offloaded(ours, arena, tmp_path, mode, tier, step_in_backward=False)
     assert len(opt.buckets) > 1
     train(tiny, ours, opt, range(3), accum=2, clip=0.5)
     assert tiny.params_equal(ref, ours)
@@ -107,7 +107,7 @@ def test_mixed_precision_cpu_master_bit_exact(tiny: SimpleNamespace, arena: Any,
                                               tmp_path: Path) -> None:
     ref, ours = tiny.make_model(torch.bfloat16), tiny.make_model(torch.bfloat16)
     train(tiny, ref, RefMixed(ref), range(3), accum=2, clip=0.5)
-    opt = offloaded(ours, arena, tmp_path, "cpu", "cpu")
+    opt = offloaded(ours, arena, tmp_path, "cpu", "cpu", step_in_backward=False)
     train(tiny, ours, opt, range(3), accum=2, clip=0.5)
     assert tiny.params_equal(ref, ours)
     opt.close()
@@ -130,12 +130,13 @@ def test_mixed_precision_gpu_stream_master_bit_exact(tiny: SimpleNamespace, aren
 def test_checkpoint_resume_continues_exactly(tiny: SimpleNamespace, arena: Any, tmp_path: Path,
                                              mode: str, tier: str, dtype: torch.dtype) -> None:
     whole = tiny.make_model(dtype)
-    opt = offloaded(whole, arena, tmp_path / "a", mode, tier)
+    opt = offloaded(whole, arena, tmp_path / "a", mode, tier,
+                    step_in_backward=False)
     train(tiny, whole, opt, range(4), accum=2, clip=0.5 if mode == "cpu" else None)
     opt.close()
 
     first = tiny.make_model(dtype)
-    opt1 = offloaded(first, arena, tmp_path / "b", mode, tier)
+    opt1 = offloaded(first, arena, tmp_path / "b", mode, tier, step_in_backward=False)
     train(tiny, first, opt1, range(2), accum=2, clip=0.5 if mode == "cpu" else None)
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buf)
@@ -144,7 +145,7 @@ def test_checkpoint_resume_continues_exactly(tiny: SimpleNamespace, arena: Any, 
     buf.seek(0)
     ckpt = torch.load(buf)
     resumed = tiny.make_model(dtype, seed=123)  # different weights: everything must come back
-    opt2 = offloaded(resumed, arena, tmp_path / "c", mode, tier)
+    opt2 = offloaded(resumed, arena, tmp_path / "c", mode, tier, step_in_backward=False)
     resumed.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
     train(tiny, resumed, opt2, range(2, 4), accum=2, clip=0.5 if mode == "cpu" else None)
@@ -167,11 +168,12 @@ def test_load_resyncs_working_weights_from_master(tiny: SimpleNamespace, arena: 
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
 def test_step_in_backward_with_no_sync_accumulation(tiny: SimpleNamespace, arena: Any,
-                                                    tmp_path: Path) -> None:
+                                                    tmp_path: Path, mode: str) -> None:
     ref, ours = tiny.make_model(), tiny.make_model()
     train(tiny, ref, RefPlain(ref), range(3), accum=3)
-    opt = offloaded(ours, arena, tmp_path, "cpu", "cpu", step_in_backward=True)
+    opt = offloaded(ours, arena, tmp_path, mode, "cpu", step_in_backward=True)
     train(tiny, ours, opt, range(3), accum=3, no_sync=True)
     assert tiny.params_equal(ref, ours)
     (ours(tiny.batch(9))).backward()
@@ -224,3 +226,32 @@ def test_bad_arguments_name_the_field(tiny: SimpleNamespace, arena: Any) -> None
         OffloadedOptimizer(model.parameters(), mode="gpu", arena=arena)
     with pytest.raises(InvalidArgument, match="disk_path"):
         OffloadedOptimizer(model.parameters(), state_tier="disk", arena=arena)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_steps_buckets_during_backward_bit_exact(tiny: SimpleNamespace, arena: Any,
+                                                         tmp_path: Path,
+                                                         dtype: torch.dtype) -> None:
+    ref, ours = tiny.make_model(dtype), tiny.make_model(dtype)
+    r = RefPlain(ref) if dtype == torch.float32 else RefMixed(ref)
+    train(tiny, ref, r, range(3))
+    opt = offloaded(ours, arena, tmp_path, "cpu", "cpu")
+    assert opt.step_in_backward and len(opt.buckets) > 1
+    for s in range(3):
+        ours(tiny.batch(s)).backward()
+        assert all(b.future is not None for b in opt.buckets)  # started before step()
+        opt.step()
+        opt.zero_grad()
+    assert tiny.params_equal(ref, ours)
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
+def test_accumulating_without_no_sync_after_early_steps_is_refused(
+        tiny: SimpleNamespace, arena: Any, tmp_path: Path, mode: str) -> None:
+    model = tiny.make_model()
+    opt = offloaded(model, arena, tmp_path, mode, "cpu")
+    model(tiny.batch(0)).backward()
+    with pytest.raises(FailedPrecondition, match="no_sync"):
+        model(tiny.batch(0, 1)).backward()
+    opt.close()
