@@ -21,6 +21,7 @@ from pathlib import Path
 DEPLOY = Path(__file__).resolve().parent
 ROOT = DEPLOY.parent
 K8S = DEPLOY / "k8s"
+REMOTE = DEPLOY / "k8s-remote"  # the remote-tier overlay (a shared Valkey/Redis)
 UNIT = DEPLOY / "systemd" / "kvtier.service"
 # Validated by kubernetes-validate; the ServiceMonitor is a CRD with no schema in Kubernetes, and
 # the kustomization is not a resource.
@@ -98,6 +99,28 @@ def kustomize_build(path: Path = K8S) -> list[str]:
     return problems
 
 
+def kustomize_remote(path: Path = REMOTE) -> list[str]:
+    """The remote-tier overlay builds; its output (less the schema-less ServiceMonitor) passes
+    ``kubernetes-validate --strict``, and the DaemonSet it emits reads the remote settings."""
+    rc, out = _run([_tool("kubectl"), "kustomize", str(path)])
+    if rc:
+        return [f"kubectl kustomize {path.name} (rc={rc}): {out}"]
+    problems = [f"kubectl kustomize {path.name}: {line}" for line in out.splitlines()
+                if "Warning" in line]
+    kinds = set(re.findall(r"^kind: (\w+)$", out, flags=re.M))
+    wanted = KINDS | {"StatefulSet"}
+    problems += [f"{path.name}: missing kind {k}" for k in sorted(wanted - kinds)]
+    for var in ("REMOTE_URL", "REMOTE_PASSWORD_FILE", "REMOTE_SECRET_FILE"):
+        if f"name: KVCACHED_OFFLOAD_{var}" not in out:
+            problems.append(f"{path.name}: the DaemonSet does not set KVCACHED_OFFLOAD_{var}")
+    docs = [d for d in re.split(r"^---$", out, flags=re.M) if "kind: ServiceMonitor" not in d]
+    with tempfile.TemporaryDirectory() as tmp:
+        built = Path(tmp) / "remote.yaml"
+        built.write_text("---".join(docs), encoding="utf-8")
+        problems += kube_validate([built])
+    return problems
+
+
 def promtool_rules() -> list[str]:
     promtool = _tool("promtool")
     problems = []
@@ -123,6 +146,7 @@ CHECKS: dict[str, Callable[[], list[str]]] = {
     "systemd-analyze verify": systemd_verify,
     "kubernetes-validate --strict": kube_validate,
     "kubectl kustomize": kustomize_build,
+    "remote-tier overlay (kustomize + kubernetes-validate)": kustomize_remote,
     "promtool check/test rules": promtool_rules,
 }
 

@@ -22,6 +22,7 @@ SERVE_FLAGS: dict[str, tuple[str, Any]] = {
     "--device": ("device", str),
     "--disk-path": ("disk_path", str),
     "--disk-gb": ("disk_gb", float),
+    "--remote-url": ("remote_url", str),
     "--cpu-memory-gb": ("cpu_memory_gb", float),
     "--gpu-memory-gb": ("gpu_memory_gb", float),
     "--policy": ("policy", str),

@@ -96,7 +96,28 @@ def stats_dict(reply: Any) -> dict[str, Any]:
         "moved": moved, "evictions": dict(reply.evictions), "drops": dict(reply.drops),
         "hits": dict(reply.hits), "misses": reply.misses,
         "checksum_failures": reply.checksum_failures,
+        "remote": _remote_dict(reply.remote) if reply.HasField("remote") else None,
     }
+
+
+def _remote_dict(r: Any) -> dict[str, Any]:
+    return {"reachable": r.reachable, "written_pages": r.written_pages,
+            "written_bytes": r.written_bytes, "read_pages": r.read_pages,
+            "read_bytes": r.read_bytes, "queued_bytes": r.queued_bytes,
+            "dropped": dict(r.dropped), "rejected": dict(r.rejected), "errors": dict(r.errors)}
+
+
+def _remote_lines(r: dict[str, Any] | None) -> list[str]:
+    if r is None:
+        return ["remote: off"]
+    return [
+        f"remote: {'reachable' if r['reachable'] else 'UNREACHABLE'}; "
+        f"written {human_bytes(r['written_bytes'])} ({r['written_pages']} pages), "
+        f"read {human_bytes(r['read_bytes'])} ({r['read_pages']} pages), "
+        f"queued {human_bytes(r['queued_bytes'])}",
+        "  " + _counts("errors", r["errors"]) + "; " + _counts("dropped writes", r["dropped"])
+        + "; " + _counts("refused values", r["rejected"]),
+    ]
 
 
 def human_bytes(n: float) -> str:
@@ -158,6 +179,7 @@ def render(d: dict[str, Any], address: str) -> str:
         _counts("evictions", d["evictions"]),
         _counts("drops", d["drops"]),
         f"checksum failures: {d['checksum_failures']}",
+        *_remote_lines(d.get("remote")),
     ]
     return "\n".join(parts)
 

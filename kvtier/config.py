@@ -103,6 +103,37 @@ class OffloadConfig:
     restore_timeout_s: float = _opt(
         30.0, "RESTORE_TIMEOUT_S", "Deadline for one restore (seconds).", "> 0"
     )
+    # --- remote tier (a shared Redis / Valkey store) -------------------------------------------
+    remote_url: str = _opt(
+        "",
+        "REMOTE_URL",
+        "Shared Redis/Valkey store (standalone or Cluster); empty disables the remote tier.",
+        "redis://[user@]host:port[/db]|rediss://...",
+    )
+    remote_password_file: str = _opt(
+        "", "REMOTE_PASSWORD_FILE", "File holding the store's password (mode 0600).", "a file path"
+    )
+    remote_secret_file: str = _opt(
+        "",
+        "REMOTE_SECRET_FILE",
+        "Cluster-wide secret salting remote keys and keying their MACs (mode 0600).",
+        "a file path (required with REMOTE_URL)",
+    )
+    remote_ttl_s: int = _opt(
+        86400, "REMOTE_TTL_S", "Expiry of remote pages (seconds); 0 = none.", ">= 0"
+    )
+    remote_admission: str = _opt(
+        "always",
+        "REMOTE_ADMISSION",
+        "Which stored blocks are written to the remote tier.",
+        "always|reused|never",
+    )
+    remote_timeout_ms: int = _opt(
+        200, "REMOTE_TIMEOUT_MS", "Deadline of one remote call (milliseconds).", "1..60000"
+    )
+    remote_inflight_mb: int = _opt(
+        256, "REMOTE_INFLIGHT_MB", "Most bytes queued for remote writes (MiB).", "1..65536"
+    )
     # --- daemon -----------------------------------------------------------------------------
     listen: tuple[str, ...] = _opt(
         (),
@@ -283,6 +314,10 @@ def _validate(c: OffloadConfig) -> None:
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
         ("max_watches", 1 <= c.max_watches <= 1024),
+        ("remote_ttl_s", c.remote_ttl_s >= 0),
+        ("remote_admission", c.remote_admission in ("always", "reused", "never")),
+        ("remote_timeout_ms", 1 <= c.remote_timeout_ms <= 60000),
+        ("remote_inflight_mb", 1 <= c.remote_inflight_mb <= 65536),
     ]
     for name, ok in checks:
         if not ok:
@@ -290,6 +325,7 @@ def _validate(c: OffloadConfig) -> None:
     _validate_tenants(c)
     if c.disk_gb > 0 and not c.disk_path:
         raise ConfigError(f"{ENV_PREFIX}DISK_GB={c.disk_gb} needs {ENV_PREFIX}DISK_PATH to be set")
+    _validate_remote(c)
     for addr in c.listen:
         if not (addr.startswith("unix://") or re.fullmatch(r"\[?[\w.:-]*\]?:\d{1,5}", addr)):
             _fail("listen", addr)
@@ -307,6 +343,29 @@ def _validate_tenants(c: OffloadConfig) -> None:
             f"{ENV_PREFIX}TENANT_QUOTAS={c.tenant_quotas!r} is invalid ({exc}); accepted: "
             "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE (SIZE like 512MiB, 2GiB)"
         ) from None
+
+
+def _validate_remote(c: OffloadConfig) -> None:
+    """The remote URL's shape (no inline password: it belongs in the password file)."""
+    if not c.remote_url:
+        return
+    m = re.fullmatch(r"(rediss?)://(?:([^:@/]*)(:[^@/]*)?@)?([\w.-]+|\[[\w:.]+\]):(\d{1,5})(/\d+)?"
+                     r"(\?.*)?", c.remote_url)
+    if m is None:  # shown without any user:password part
+        shown = re.sub(r"//[^@/]*@", "//***@", c.remote_url)
+        raise ConfigError(
+            f"{ENV_PREFIX}REMOTE_URL={shown!r} is invalid; accepted: "
+            "redis://[user@]host:port[/db]|rediss://..."
+        )
+    if m.group(3):
+        raise ConfigError(
+            f"{ENV_PREFIX}REMOTE_URL must not carry a password; put it in "
+            f"{ENV_PREFIX}REMOTE_PASSWORD_FILE"
+        )
+    if not c.remote_secret_file:
+        raise ConfigError(
+            f"{ENV_PREFIX}REMOTE_URL needs {ENV_PREFIX}REMOTE_SECRET_FILE (the cluster-wide secret)"
+        )
 
 
 def describe() -> list[tuple[str, str, str, str]]:

@@ -58,6 +58,7 @@ from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 
 if TYPE_CHECKING:
+    from kvtier.remote import RemoteTier
     from kvtier.tiers.disk import DiskStore
 
 COMPLETE_CHUNK = 4096  # pages finished per engine-lock hold (a restore arriving waits one)
@@ -84,6 +85,7 @@ class EngineCore:
         chunk = max(4096, min(config.pinned_chunk_mb * MIB, config.cpu_budget_bytes) // 4096 * 4096)
         self.host = HostArena(config.cpu_budget_bytes, chunk, pin=cuda)
         self.disk: DiskStore | None = None
+        self.remote: RemoteTier | None = None  # set by the engine (``kvtier.remote.open_remote``)
         if config.disk_budget_bytes:
             from kvtier.tiers.disk import DiskStore
 

@@ -26,10 +26,12 @@ from kvtier.keyed_flush import flush_keyed
 from kvtier.pagetable import S_CPU, S_DISK, S_DOWN, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.prefix import PrefixStore
+from kvtier.remote import open_remote
 from kvtier.residency import Residency
 from kvtier.stats import EngineStats, TierStats
 from kvtier.tenants import admit_pool, tenant_stats
 from kvtier.tiers.device import DevicePool
+from kvtier.tiers.keyed import KeyedMedium
 from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_name, check_priority
 from kvtier.watermark import Watermarks
@@ -49,9 +51,14 @@ class PageInfo:
 class TierEngine:
     """Thread-safe; every method may be called from any thread."""
 
-    def __init__(self, config: OffloadConfig | None = None) -> None:
+    def __init__(
+        self, config: OffloadConfig | None = None, *, remote_medium: KeyedMedium | None = None
+    ) -> None:
+        """``remote_medium`` replaces the Redis medium that ``config.remote_url`` would open."""
         self.config = config or OffloadConfig()
+        remote = open_remote(self.config, remote_medium)  # a bad secret fails before threads start
         self._core = EngineCore(self.config)
+        self._core.remote = remote
         self._pool_ids = itertools.count(1)
         self.prefix = PrefixStore(self._core)
         self._residency = Residency(self._core)
@@ -320,7 +327,8 @@ class TierEngine:
         with core.cond:
             gpu_cap = sum(p.num_slots * p.page_size for p in core.pools.values())
             gpu_used = sum(p.used_slots * p.page_size for p in core.pools.values())
-            count = dict(zip(Tier, core.table.tier_counts().tolist(), strict=True))
+            local = (Tier.GPU, Tier.CPU, Tier.DISK)
+            count = dict(zip(local, core.table.tier_counts().tolist(), strict=True))
             disk = core.disk
             restores, offloads = core.scheduler.depth()
             return EngineStats(
@@ -344,6 +352,7 @@ class TierEngine:
                 pinned_pages=sum(p.pinned for p in core.pools.values()),
                 keyed_pages=len(core.table.by_key),
                 counters=core.counters,
+                remote=core.remote.stats() if core.remote is not None else None,
             )
 
     def close(self, grace: float = 10.0) -> None:
@@ -358,6 +367,8 @@ class TierEngine:
             core.wake_all()
         self._watermarks.stop()
         flush_keyed(core, grace * FLUSH_SHARE)
+        if core.remote is not None:  # drains the write-behind queue within what is left
+            core.remote.close(max(0.1, deadline - time.monotonic()))
         core.scheduler.close(max(0.1, deadline - time.monotonic()))
         core.inline_restore.close()
         with core.cond:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.metrics_remote import REMOTE_METRIC_NAMES, remote_metrics
 from kvtier.stats import EngineStats
 from kvtier.types import Direction, Tier
 
@@ -28,6 +29,7 @@ METRIC_NAMES = (
     "kvtier_inflight_bytes", "kvtier_evictions_total", "kvtier_drops_total",
     "kvtier_checksum_failures_total", "kvtier_hits_total", "kvtier_misses_total",
     "kvtier_attached_engines", "kvtier_pinned_pages", "kvtier_build_info",
+    *REMOTE_METRIC_NAMES,
 )
 
 
@@ -64,6 +66,7 @@ class EngineCollector(Collector):
         yield from self._tiers(s)
         yield from self._moves(s)
         yield from self._engine_totals(s)
+        yield from remote_metrics(s.remote)
         yield from self._restore.collect()
         build = GaugeMetricFamily("kvtier_build_info", "kvtier version (1).", labels=["version"])
         build.add_metric([self._version], 1)

@@ -10,6 +10,10 @@ Contract:
       miss); ``load`` copies that prefix into the given slots, restoring disk blocks through CPU
       first, and returns how many leading blocks it loaded. A block whose bytes fail their checksum
       ends the prefix: a hit is exactly the stored bytes, or a miss.
+    * With a remote tier (``kvtier.remote``), stored blocks are also written behind to it (per its
+      admission rule); ``lookup`` and ``load`` look there, outside the engine lock, past the end
+      of the local prefix: a lookup answers ``Tier.REMOTE`` for those blocks, a load lands them
+      in the CPU tier first (like a disk hit). A store fault is a local-only answer.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvtier.errors import (
 )
 from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
 from kvtier.pool import Pool
+from kvtier.prefix_remote import Held, Staged, hold, land, offer, stage, unstage
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
@@ -125,7 +130,12 @@ class PrefixStore:
                 if not full:
                     break
             self._wait(started)
-            return stored + sum(r is True for b in started for r in b.results or ())
+            held: Held = []
+            if core.remote is not None and core.remote.admission == "always":
+                held = hold(core, _succeeded(pending.sent))
+            stored += sum(r is True for b in started for r in b.results or ())
+        offer(core, held)  # copies for the write-behind, without the engine lock
+        return stored
 
     def _store_chunk(
         self, pool: Pool, items: list[tuple[bytes, int]], pending: _Copies, started: list[Moves]
@@ -187,36 +197,67 @@ class PrefixStore:
             for key in keys:
                 row = t.keyed(salt_key(tenant, key))
                 if row is None or t.state[row] == S_DROPPED:
-                    core.counters.misses += 1
-                    core.ledger.misses[owner] += 1
                     break
                 tier = Tier(int(t.tier[row]))
                 tiers.append(tier)
                 core.counters.hits[tier] += 1
                 core.ledger.hits[tier, owner] += 1
-            return tiers
+            if core.remote is None or len(tiers) == len(keys):
+                self._count_miss(owner, len(tiers) < len(keys))
+                return tiers
+        rest = [salt_key(tenant, k) for k in keys[len(tiers) :]]
+        tiers += [Tier.REMOTE] * core.remote.contains(rest)  # no engine lock held
+        with core.cond:
+            core.counters.hits[Tier.REMOTE] += sum(x is Tier.REMOTE for x in tiers)
+            self._count_miss(owner, len(tiers) < len(keys))
+        return tiers
+
+    def _count_miss(self, owner: int, missed: bool) -> None:
+        """A lookup that stopped short of its keys is one miss (daemon-wide and the tenant's)."""
+        if missed:
+            self._core.counters.misses += 1
+            self._core.ledger.misses[owner] += 1
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
-        with core.cond:
-            pool = self._pool(pool_id)
-            keys, slots = self._args(pool, keys, slots)
-            # A window the CPU tier (and the tenant's CPU quota) can hold at once: a prefix
-            # longer than that is brought up from disk and copied in a window at a time.
-            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-            share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
-            if share is not None:
-                window = max(1, min(window, share // pool.page_size))
-            loaded = 0
-            while loaded < len(keys):
-                part = keys[loaded : loaded + window]
-                n = self._load_window(pool, part, slots[loaded : loaded + len(part)])
-                loaded += n
-                if n < len(part):
-                    break
-            return loaded
+        staged = self._fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
+        reused: Held = []  # blocks reused for the first time: offered once the lock is released
+        try:
+            with core.cond:
+                pool = self._pool(pool_id)
+                keys, slots = self._args(pool, keys, slots)
+                if staged is not None:
+                    land(core, staged)
+                    staged = None
+                return self._load_windows(pool, keys, slots, reused)
+        finally:
+            if staged is not None:
+                with core.cond:
+                    unstage(core, staged)
+            offer(core, reused)
 
-    def _load_window(self, pool: Pool, keys: list[bytes], slots: list[int]) -> int:
+    def _load_windows(
+        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
+    ) -> int:
+        # A window the CPU tier (and the tenant's CPU quota) can hold at once: a prefix longer
+        # than that is brought up from disk and copied in a window at a time.
+        core = self._core
+        window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+        share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
+        if share is not None:
+            window = max(1, min(window, share // pool.page_size))
+        loaded = 0
+        while loaded < len(keys):
+            part = keys[loaded : loaded + window]
+            n = self._load_window(pool, part, slots[loaded : loaded + len(part)], reused)
+            loaded += n
+            if n < len(part):
+                break
+        return loaded
+
+    def _load_window(
+        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
+    ) -> int:
         """Copy the stored prefix of ``keys`` (a window: all of it protected until copied) a
         chunk at a time, each chunk's copies under way while the next chunk's keys are looked
         up; the number of leading blocks loaded."""
@@ -239,9 +280,29 @@ class PrefixStore:
         if at:
             rows = np.concatenate(held)
             core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
+            if core.remote is not None and core.remote.admission == "reused":
+                reused += hold(core, rows[core.table.hits[rows] == 0])  # first reuse
             core.table.hits[rows] += 1
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)
+
+    def _fetch_remote(
+        self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
+    ) -> Staged | None:
+        """Verified remote payloads of the blocks just past the local prefix (a CPU window of
+        them), fetched and staged in CPU slots without the engine lock; None without a remote
+        tier or remote hits."""
+        core = self._core
+        if core.remote is None:
+            return None
+        with core.cond:
+            pool = self._pool(pool_id)
+            keys, slots = self._args(pool, keys, slots)
+            start = len(self._prefix(pool, keys))
+            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+            salted = [salt_key(pool.tenant, k) for k in keys[start : start + window]]
+        got = core.remote.fetch(salted, pool.page_size) if salted else []
+        return stage(core, pool.tenant, pool.page_size, salted[: len(got)], got) if got else None
 
     def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> list[Moves]:
         """Start copying CPU-resident keyed pages into pool slots (urgent: a load waits)."""
@@ -307,6 +368,13 @@ class PrefixStore:
             self._core.cond.wait(0.05)
 
 
+def _succeeded(sent: list[tuple[Moves, np.ndarray]]) -> np.ndarray:
+    """Rows of the copies that succeeded (a batch split by the scheduler keeps only its tail's
+    rows, but reports every result)."""
+    parts = [rows[np.array(b.results, dtype=object) == True] for b, rows in sent]  # noqa: E712
+    return np.concatenate(parts) if parts else EMPTY
+
+
 def _done(batch: Moves) -> bool:
     return batch.results is not None and None not in batch.results
 
@@ -317,6 +385,7 @@ class _Copies:
     def __init__(self, pool: Pool, direction: Direction) -> None:
         self.pool, self.direction = pool, direction
         self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.sent: list[tuple[Moves, np.ndarray]] = []  # each batch submitted, with its rows
 
     def add(self, rows: np.ndarray, srcs: np.ndarray, dsts: np.ndarray) -> None:
         self.parts.append((rows, srcs, dsts))
@@ -330,6 +399,7 @@ class _Copies:
         batch = Moves(self.direction, pool.page_size, srcs, dsts, rows, pool.dev)
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
+        self.sent.append((batch, rows))
         core.scheduler.submit([batch])
         # Offer the interpreter to the lane now: the caller goes on with the next chunk's
         # bookkeeping, and the launch should not wait a whole switch interval for it.

@@ -7,8 +7,12 @@ the engine, tests and ``kvtier status`` can read it without prometheus_client.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvtier.types import Direction, Tier
+
+if TYPE_CHECKING:
+    from kvtier.remote import RemoteStats
 
 
 @dataclass(slots=True)
@@ -65,3 +69,4 @@ class EngineStats:
     pinned_pages: int
     keyed_pages: int
     counters: EngineCounters
+    remote: RemoteStats | None = None  # None without a remote tier

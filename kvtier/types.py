@@ -22,6 +22,7 @@ class Tier(enum.IntEnum):
     GPU = 0
     CPU = 1
     DISK = 2
+    REMOTE = 3  # a shared keyed store (``kvtier.remote``): keyed pages only, never a page's home
 
 
 class PageState(enum.Enum):

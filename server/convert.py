@@ -66,6 +66,17 @@ def stats_reply(s: EngineStats, version: str, instance: str) -> pb.StatsReply:
         checksum_failures=c.checksum_failures,
         version=version,
         instance=instance,
+        remote=remote_stats(s.remote),
+    )
+
+
+def remote_stats(r: Any) -> pb.RemoteStats | None:
+    if r is None:
+        return None
+    return pb.RemoteStats(
+        reachable=r.reachable, written_pages=r.written_pages, written_bytes=r.written_bytes,
+        read_pages=r.read_pages, read_bytes=r.read_bytes, queued_bytes=r.queued_bytes,
+        dropped=r.dropped, rejected=r.rejected, errors=r.errors,
     )
 
 

@@ -120,6 +120,38 @@ PANELS: tuple[Panel, ...] = (
         ),
     ),
     Panel(
+        "Remote tier traffic",
+        "Bps",
+        (
+            (
+                f"sum by (direction) (rate(kvtier_remote_bytes_total{{{SEL}}}[{RATE}]))",
+                "{{direction}}",
+            ),
+            (f"sum(kvtier_remote_queued_bytes{{{SEL}}})", "queued for write"),
+        ),
+        "Page bytes written to and read from the shared Redis/Valkey store.",
+    ),
+    Panel(
+        "Remote tier health",
+        "short",
+        (
+            (f"min(kvtier_remote_up{{{SEL}}} or kvtier_remote_enabled{{{SEL}}} == 0)", "up"),
+            (
+                f"sum by (kind) (rate(kvtier_remote_errors_total{{{SEL}}}[{RATE}]))",
+                "error: {{kind}}",
+            ),
+            (
+                f"sum by (reason) (rate(kvtier_remote_dropped_writes_total{{{SEL}}}[{RATE}]))",
+                "dropped write: {{reason}}",
+            ),
+            (
+                f"sum by (reason) (rate(kvtier_remote_rejected_total{{{SEL}}}[{RATE}]))",
+                "refused value: {{reason}}",
+            ),
+        ),
+        "Refused values are damaged or foreign entries in the shared store (served as misses).",
+    ),
+    Panel(
         "RPC latency p99 per method",
         "s",
         (

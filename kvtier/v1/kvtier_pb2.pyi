@@ -19,6 +19,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_GPU: _ClassVar[Tier]
     TIER_CPU: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_CUDA_IPC: HandleKind
 HANDLE_KIND_SHM: HandleKind
@@ -26,6 +27,7 @@ HANDLE_KIND_MEMFD: HandleKind
 TIER_GPU: Tier
 TIER_CPU: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -284,7 +286,7 @@ class DirectionStats(_message.Message):
     def __init__(self, direction: _Optional[str] = ..., bytes: _Optional[int] = ..., pages: _Optional[int] = ..., batches: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("tiers", "pools", "tenants", "queued_restores", "queued_offloads", "inflight_bytes", "pinned_pages", "keyed_pages", "moved", "evictions", "drops", "hits", "misses", "checksum_failures", "version", "instance")
+    __slots__ = ("tiers", "pools", "tenants", "queued_restores", "queued_offloads", "inflight_bytes", "pinned_pages", "keyed_pages", "moved", "evictions", "drops", "hits", "misses", "checksum_failures", "version", "instance", "remote")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +324,7 @@ class StatsReply(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     pools: int
     tenants: int
@@ -338,7 +341,51 @@ class StatsReply(_message.Message):
     checksum_failures: int
     version: str
     instance: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pools: _Optional[int] = ..., tenants: _Optional[int] = ..., queued_restores: _Optional[int] = ..., queued_offloads: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., moved: _Optional[_Iterable[_Union[DirectionStats, _Mapping]]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., drops: _Optional[_Mapping[str, int]] = ..., hits: _Optional[_Mapping[str, int]] = ..., misses: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    remote: RemoteStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pools: _Optional[int] = ..., tenants: _Optional[int] = ..., queued_restores: _Optional[int] = ..., queued_offloads: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., moved: _Optional[_Iterable[_Union[DirectionStats, _Mapping]]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., drops: _Optional[_Mapping[str, int]] = ..., hits: _Optional[_Mapping[str, int]] = ..., misses: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+
+class RemoteStats(_message.Message):
+    __slots__ = ("reachable", "written_pages", "written_bytes", "read_pages", "read_bytes", "queued_bytes", "dropped", "rejected", "errors")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_PAGES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    written_pages: int
+    written_bytes: int
+    read_pages: int
+    read_bytes: int
+    queued_bytes: int
+    dropped: _containers.ScalarMap[str, int]
+    rejected: _containers.ScalarMap[str, int]
+    errors: _containers.ScalarMap[str, int]
+    def __init__(self, reachable: _Optional[bool] = ..., written_pages: _Optional[int] = ..., written_bytes: _Optional[int] = ..., read_pages: _Optional[int] = ..., read_bytes: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("tenant", "pool_id")

@@ -9,6 +9,7 @@ from pathlib import Path
 from deploy_helpers import ROOT, checks, gen_env
 
 from kvtier.config import describe
+from kvtier.metrics import METRIC_NAMES
 
 METRICS = set((ROOT / "deploy" / "metrics.txt").read_text().split())
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -52,7 +53,8 @@ def test_every_setting_is_documented_everywhere() -> None:
 
 def test_metrics_contract_names_follow_conventions() -> None:
     lines = (ROOT / "deploy" / "metrics.txt").read_text().splitlines()
-    assert len(lines) == len(METRICS) == 20
+    assert len(lines) == len(METRICS) == len(METRIC_NAMES) == 28
+    assert set(lines) == set(METRIC_NAMES)
     for name in lines:
         assert re.fullmatch(r"kvtier_[a-z][a-z_]*[a-z]", name), name
         assert ":" not in name

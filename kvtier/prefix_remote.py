@@ -1,0 +1,116 @@
+"""The prefix store's side of the remote tier: stored blocks go out, remote hits come in.
+
+Contract (nothing here touches the network):
+    * ``hold(core, rows) -> Held`` (engine lock held): the CPU-resident keyed pages among
+      ``rows`` that the remote tier wants (not known to be in the store), protected so they
+      stay where they are; ``offer(core, held)`` (engine lock NOT held) copies their bytes into
+      framed values, offers them to the write-behind queue, then unprotects them. The copy runs
+      without the engine lock, so acquires and loads never wait for it.
+    * ``stage`` reserves CPU slots for verified remote payloads and copies them in without the
+      engine lock; ``land`` (lock held) makes them CPU keyed pages of the tenant (as a disk hit
+      is restored to CPU), freeing the slots of keys stored locally meanwhile; ``unstage``
+      frees a staging that is not landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.pagetable import S_CPU
+from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.core import EngineCore
+
+
+Held = list[tuple[int, bytes, int, int]]  # (row, salted key, page size, CPU slot)
+
+
+def hold(core: EngineCore, rows: np.ndarray) -> Held:
+    remote, t = core.remote, core.table
+    if remote is None or not len(rows):
+        return []
+    held: Held = []
+    for row in rows[t.state[rows] == S_CPU].tolist():
+        salted = t.key_of.get(row)
+        if salted is not None and remote.wants(salted):
+            held.append((row, salted, int(t.size[row]), int(t.slot[row])))
+    if held:
+        core.protect(np.array([h[0] for h in held], dtype=np.int64))
+    return held
+
+
+def offer(core: EngineCore, held: Held) -> int:
+    remote = core.remote
+    if remote is None or not held:
+        return 0
+    try:
+        items: list[tuple[bytes, bytearray]] = []
+        if core.closed:  # the host tier is being released: nothing to copy from
+            return 0
+        for _, salted, size, slot in held:
+            buf, body = remote.frame_buffer(salted, size)
+            np.frombuffer(body, dtype=np.uint8)[:] = core.host.rows(size, [slot])[0].numpy()
+            items.append((salted, buf))
+        return remote.offer(items)
+    finally:
+        with core.cond:
+            core.unprotect(np.array([h[0] for h in held], dtype=np.int64))
+
+
+@dataclass(slots=True)
+class Staged:
+    """Remote payloads copied into reserved CPU slots, not yet pages (nobody else sees them)."""
+
+    tenant: str
+    page_size: int
+    salted: list[bytes]
+    slots: np.ndarray
+
+
+def stage(
+    core: EngineCore, tenant: str, page_size: int, salted: Sequence[bytes],
+    payloads: Sequence[memoryview],
+) -> Staged | None:
+    """Reserve CPU slots (engine lock taken briefly) and copy the payloads into them without
+    the lock; None when the CPU tier had no room. The caller lands or frees the result."""
+    with core.cond:
+        if core.closed:
+            return None
+        slots = core.cascade.cpu_slots(page_size, len(payloads))
+    if not len(slots):
+        return None
+    views = core.host.rows(page_size, slots.tolist())
+    for payload, view in zip(payloads, views, strict=False):
+        view.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+    return Staged(tenant, page_size, list(salted[: len(slots)]), slots)
+
+
+def land(core: EngineCore, staged: Staged) -> int:
+    """Staged payloads become CPU keyed pages (engine lock held), as a disk hit is restored to
+    CPU; a key stored locally meanwhile keeps its page and its staged slot is freed. Returns how
+    many landed."""
+    t = core.table
+    fresh = np.array([t.keyed(k) is None for k in staged.salted], dtype=bool)
+    if not fresh.all():
+        core.host.free_array(staged.page_size, staged.slots[~fresh])
+    slots = staged.slots[fresh]
+    if not len(slots):
+        return 0
+    rows = t.new_rows(len(slots))
+    t.size[rows], t.prio[rows], t.length[rows] = staged.page_size, 1.0, 1
+    for row, key in zip(rows.tolist(), (k for k, f in zip(staged.salted, fresh.tolist(),
+                                                            strict=True) if f), strict=True):
+        t.add_key(row, key, staged.tenant)
+    core.settle(rows, Tier.CPU, slots, None)
+    return len(rows)
+
+
+def unstage(core: EngineCore, staged: Staged) -> None:
+    """Give back the slots of a staging that was not landed (engine lock held)."""
+    if not core.closed:
+        core.host.free_array(staged.page_size, staged.slots)

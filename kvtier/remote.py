@@ -1,0 +1,220 @@
+"""The remote tier: keyed pages shared through a keyed medium (a Redis / Valkey store).
+
+Contract:
+    * Only keyed (prefix) pages go remote, under store keys derived from the cluster-wide secret
+      and the tenant-salted block key (``kvtier.tiers.frame``): no tenant can name another's
+      pages, and nobody without the secret can name or forge any.
+    * ``offer(items)``: stored blocks ``(salted key, open frame)`` (``frame_buffer``: the block's
+      bytes already copied into the value's place, so framing copies nothing) go to the
+      write-behind queue
+      (``kvtier.tiers.writebehind``) — bounded, its own thread; a full queue drops and counts.
+      ``admission`` (always | reused | never) says whether a Store (always) or a block's first
+      reuse by a Load (reused) offers it; ``never`` makes the tier read-only.
+    * ``contains(salted) -> int``: how many leading keys the store holds (one pipelined batch).
+    * ``fetch(salted, length) -> list[memoryview]``: the payloads of the leading keys whose
+      values verify (exact bytes a daemon of this cluster stored for that tenant and key); the
+      first miss or refused value ends the list, and so does ``MAX_FETCH_BYTES`` (a longer
+      prefix loads in part: the caller loads the rest again). Refusals are counted by reason.
+    * Every fault of the store is a miss (the medium's contract); nothing here raises for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvtier.config import ENV_PREFIX, MIB, OffloadConfig
+from kvtier.errors import ConfigError
+from kvtier.tiers.frame import Framer
+from kvtier.tiers.keyed import KeyedMedium
+from kvtier.tiers.writebehind import WriteBehind
+
+log = logging.getLogger(__name__)
+RECENT_KEYS = 65536  # salted keys known to be in the store (not offered again)
+GET_BATCH_BYTES = 4 * MIB  # payload bytes fetched per pipelined batch
+MAX_FETCH_BYTES = 256 * MIB  # payload bytes one fetch (one Load) brings at most
+FETCH_THREADS = 3  # batches read and checked at once (each on its own connection)
+WRITE_THREADS = 2  # write-behind threads: one frames a batch while another sends one
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteStats:
+    """A snapshot for ``kvtier status`` and the metrics exporter."""
+
+    reachable: bool
+    written_pages: int
+    written_bytes: int
+    read_pages: int
+    read_bytes: int
+    queued_bytes: int
+    dropped: dict[str, int] = field(default_factory=dict)  # write drops by reason
+    rejected: dict[str, int] = field(default_factory=dict)  # refused values by reason
+    errors: dict[str, int] = field(default_factory=dict)  # store faults by kind
+
+
+class RemoteTier:
+    def __init__(
+        self, medium: KeyedMedium, framer: Framer, *, admission: str = "always",
+        ttl_s: int = 0, max_inflight_bytes: int = 256 * MIB, batch_bytes: int = 16 * MIB,
+    ) -> None:
+        self.medium, self.framer, self.admission = medium, framer, admission
+        self._writer = WriteBehind(
+            medium, self._encode, max_bytes=max_inflight_bytes, batch_bytes=batch_bytes,
+            ttl_s=ttl_s, threads=WRITE_THREADS,
+        )
+        self._fetchers = ThreadPoolExecutor(FETCH_THREADS, "kvtier-remote-fetch")
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._read_pages = self._read_bytes = 0
+        self._rejected: dict[str, int] = {}
+
+    def frame_buffer(self, salted: bytes, n: int) -> tuple[bytearray, memoryview]:
+        """A value's buffer for ``salted`` and the view its ``n`` block bytes are copied into."""
+        return self.framer.open(salted, n)
+
+    def _encode(self, salted: bytes, buf: bytearray) -> tuple[bytes, memoryview]:
+        return self.framer.store_key(salted), self.framer.seal(buf)
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._recent[key] = None
+                self._recent.move_to_end(key)
+            while len(self._recent) > RECENT_KEYS:
+                self._recent.popitem(last=False)
+
+    def wants(self, salted: bytes) -> bool:
+        """Whether a block is worth offering (not known to be in the store already)."""
+        with self._lock:
+            return salted not in self._recent
+
+    def offer(self, items: Sequence[tuple[bytes, bytearray]]) -> int:
+        taken = self._writer.offer(items)
+        self._remember([k for k, _ in items[:taken]])
+        return taken
+
+    def contains(self, salted: Sequence[bytes]) -> int:
+        found = self.medium.contains_many([self.framer.store_key(k) for k in salted])
+        return found.index(False) if False in found else len(found)
+
+    def fetch(self, salted: Sequence[bytes], length: int) -> list[memoryview]:
+        # At most MAX_FETCH_BYTES a call, in batches of GET_BATCH_BYTES: FETCH_THREADS batches
+        # are read and MAC-checked at once (on their own connections; hashing and socket reads
+        # run without the GIL), results taken in order; the first miss or refusal ends it.
+        salted = salted[: max(1, MAX_FETCH_BYTES // max(1, length))]
+        step = max(1, GET_BATCH_BYTES // max(1, length))
+        parts = [salted[lo : lo + step] for lo in range(0, len(salted), step)]
+        ahead: deque[Future[list[memoryview | str | None]]] = deque()
+        out: list[memoryview] = []
+        sent = 0
+        try:
+            while sent < len(parts) or ahead:
+                while sent < len(parts) and len(ahead) < FETCH_THREADS:
+                    ahead.append(self._fetchers.submit(self._get_verified, parts[sent], length))
+                    sent += 1
+                for got in ahead.popleft().result():
+                    if not isinstance(got, memoryview):
+                        if isinstance(got, str):
+                            self._count_rejected(got)
+                        return self._fetched(salted, out)
+                    out.append(got)
+            return self._fetched(salted, out)
+        finally:
+            for fut in ahead:
+                fut.cancel()  # a batch already running ends within the store's timeout
+
+    def _get_verified(
+        self, keys: Sequence[bytes], length: int
+    ) -> list[memoryview | str | None]:
+        values = self.medium.get_many([self.framer.store_key(k) for k in keys])
+        unframe = self.framer.unframe
+        return [None if v is None else unframe(k, v, length)
+                for k, v in zip(keys, values, strict=True)]
+
+    def _fetched(self, salted: Sequence[bytes], got: list[memoryview]) -> list[memoryview]:
+        self._remember(list(salted[: len(got)]))
+        with self._lock:
+            self._read_pages += len(got)
+            self._read_bytes += sum(len(v) for v in got)
+        return got
+
+    def _count_rejected(self, reason: str) -> None:
+        log.debug("remote value refused (%s)", reason)
+        with self._lock:
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every offered block is written or dropped (benchmarks, tests, drain)."""
+        return self._writer.flush(timeout)
+
+    def stats(self) -> RemoteStats:
+        health, w = self.medium.health(), self._writer.counters
+        with self._lock:
+            return RemoteStats(
+                reachable=health.reachable, written_pages=w.pages, written_bytes=w.bytes,
+                read_pages=self._read_pages, read_bytes=self._read_bytes,
+                queued_bytes=self._writer.queued_bytes, dropped=dict(w.dropped),
+                rejected=dict(self._rejected), errors=dict(health.errors),
+            )
+
+    def close(self, timeout: float) -> None:
+        self._writer.close(timeout)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
+        self.medium.close()
+
+
+def read_private(path: str, var: str) -> bytes:
+    """A secret file's bytes (stripped); refuses a file that group or others can read."""
+    name = ENV_PREFIX + var
+    try:
+        st = os.stat(path)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(
+                f"{name}: {path!r} is readable by group or others; make it private (chmod 600)"
+            )
+        with open(path, "rb") as fh:
+            data = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read {path!r}: {exc.strerror}") from None
+    if not data:
+        raise ConfigError(f"{name}: {path!r} is empty")
+    return data
+
+
+def open_remote(config: OffloadConfig, medium: KeyedMedium | None = None) -> RemoteTier | None:
+    """The remote tier ``config`` asks for (``medium`` replaces the Redis one), or None."""
+    if medium is None and not config.remote_url:
+        return None
+    if not config.remote_secret_file:
+        raise ConfigError(f"{ENV_PREFIX}REMOTE_SECRET_FILE: the remote tier needs a secret file")
+    secret = read_private(config.remote_secret_file, "REMOTE_SECRET_FILE")
+    if len(secret) < 16:
+        raise ConfigError(f"{ENV_PREFIX}REMOTE_SECRET_FILE: the secret must hold >= 16 bytes")
+    try:
+        framer = Framer(secret)
+        if medium is None:
+            from kvtier.tiers.redis_medium import RedisMedium
+    except ImportError as exc:
+        raise ConfigError(
+            f"{ENV_PREFIX}REMOTE_URL: the remote tier needs the packages redis, hiredis and "
+            f"blake3 ({exc.name} is not installed)"
+        ) from None
+    if medium is None:
+        password = None
+        if config.remote_password_file:
+            raw = read_private(config.remote_password_file, "REMOTE_PASSWORD_FILE")
+            password = raw.decode("utf-8", "replace")
+        medium = RedisMedium(
+            config.remote_url, password=password, timeout_s=config.remote_timeout_ms / 1000
+        )
+    return RemoteTier(
+        medium, framer, admission=config.remote_admission, ttl_s=config.remote_ttl_s,
+        max_inflight_bytes=config.remote_inflight_mb * MIB,
+        batch_bytes=min(config.batch_bytes, 16 * MIB),
+    )

@@ -1,0 +1,275 @@
+"""The Redis / Valkey keyed medium (standalone or Cluster), on redis-py with hiredis.
+
+Contract (that of ``kvtier.tiers.keyed.KeyedMedium``, plus):
+    * One URL (``redis://[user@]host:port[/db]`` or ``rediss://`` for TLS; redis-py query options
+      such as ``ssl_ca_certs`` pass through); the password comes separately, never in the URL.
+      Whether the store is a Cluster is asked on connect (``INFO cluster``): a Cluster gets a
+      cluster client, whose pipelines split every batch into one pipeline per node by hash slot.
+    * Every socket operation is bounded by ``timeout_s``; redis-py's own retries are off, so a
+      call answers within its deadline (per node of a Cluster batch) or fails into misses.
+    * A connection fault or timeout marks the store unreachable for ``retry_after_s``: calls in
+      that window answer misses at once (no call waits on a store known to be down), the next call
+      after it tries again, so the medium reconnects by itself. Per-command errors (OOM, a slot
+      whose node is gone) fail only their own items.
+    * Faults are counted by kind (``connection``, ``timeout``, ``oom``, ``cluster``, ``other``);
+      nothing logged names the password.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import Connection, PythonRespSerializer, SSLConnection
+from redis.retry import Retry
+
+from kvtier.tiers.keyed import KeyedMedium, MediumHealth, Value
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1.0
+
+
+class RedisMedium(KeyedMedium):
+    def __init__(
+        self, url: str, *, password: str | None, timeout_s: float,
+        retry_after_s: float = RETRY_AFTER_S,
+    ) -> None:
+        self._url, self._password, self._timeout = url, password, timeout_s
+        self._retry_after = retry_after_s
+        self._lock = threading.Lock()  # guards the client, the back-off and the counters
+        self._connected = threading.Condition(self._lock)  # a connect in progress ended
+        self._client: Any = None
+        self._down_until = 0.0
+        self._reachable = False
+        self._errors: dict[str, int] = {}
+        self._node_down: dict[str, float] = {}  # Cluster node name -> back-off end
+        self._closed = False
+        self._connecting = False
+        self.cluster = False
+        # Connect now, in the background: status shows the store's state from the start.
+        threading.Thread(target=self._get, name="kvtier-remote-connect", daemon=True).start()
+
+    # -- connection ----------------------------------------------------------------------------
+    def _options(self) -> dict[str, Any]:
+        tls = self._url.startswith("rediss://")
+        return {
+            "password": self._password, "socket_timeout": self._timeout,
+            "socket_connect_timeout": self._timeout, "retry": Retry(NoBackoff(), 0),
+            "client_name": "kvtier", "connection_class": _TLSConnection if tls else _Connection,
+        }
+
+    def _connect(self) -> Any:
+        plain = redis.Redis.from_url(self._url, **self._options())
+        try:
+            cluster = bool(plain.info("cluster").get("cluster_enabled"))
+        except BaseException:
+            plain.close()
+            raise
+        if not cluster:
+            return plain
+        plain.close()
+        self.cluster = True
+        return RedisCluster.from_url(self._url, require_full_coverage=False, **self._options())
+
+    def _get(self) -> Any:
+        """The client, connecting if needed (one thread connects, the others wait for it, all
+        within the connect timeout); None while the store is known to be down."""
+        with self._lock:
+            if self._connecting:
+                self._connected.wait_for(lambda: not self._connecting, 2 * self._timeout)
+                return None if self._closed else self._client
+            if self._closed or time.monotonic() < self._down_until:
+                return None
+            if self._client is not None:
+                return self._client
+            self._connecting = True
+        client = exc = None
+        try:
+            client = self._connect()
+        except Exception as err:
+            exc = err
+        with self._lock:
+            self._connecting = False
+            self._connected.notify_all()
+            if exc is not None:
+                self._fault_locked(exc)
+                return None
+            if self._closed:
+                client.close()
+                return None
+            self._client, self._reachable = client, True
+            return client
+
+    def _fault_locked(self, exc: BaseException, node: str = "") -> str:
+        kind = _kind(exc)
+        self._errors[kind] = self._errors.get(kind, 0) + 1
+        if kind in ("connection", "timeout", "cluster"):
+            if self._reachable:
+                log.warning("remote store %sunreachable (%s): %s", f"node {node} " if node else "",
+                            kind, type(exc).__name__)
+            self._reachable = False
+            until = time.monotonic() + self._retry_after
+            if node:
+                self._node_down[node] = until
+            else:
+                self._down_until = until
+        if kind == "cluster" and self._client is not None and self.cluster:
+            try:
+                self._client.nodes_manager.initialize()  # slots moved: ask the nodes again
+            except Exception:
+                self._down_until = time.monotonic() + self._retry_after
+        return kind
+
+    def _ok(self) -> None:
+        with self._lock:
+            if not self._reachable:
+                log.info("remote store reachable%s", " (cluster)" if self.cluster else "")
+            self._reachable = True
+
+    def _run(self, conn: Any, keys: Sequence[Any], add: Callable[[Any, Any], None],
+             node: str = "") -> list[Any] | None:
+        """One pipeline on one connection: per-item results (an exception instance for a failed
+        item), or None when the whole pipeline failed (counted)."""
+        try:
+            pipe = conn.pipeline(transaction=False)
+            for key in keys:
+                add(pipe, key)
+            results: list[Any] = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            with self._lock:
+                self._fault_locked(exc, node)
+            return None
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            with self._lock:
+                self._fault_locked(errors[0], node)
+        if len(errors) < len(results):
+            self._ok()
+        return results
+
+    def _pipeline(self, keys: Sequence[Any], add: Callable[[Any, Any], None],
+                  key_of: Callable[[Any], bytes] = bytes) -> list[Any] | None:
+        """Per-item results of one batch (None for an item whose pipeline failed), or None when
+        the store is down. A Cluster batch becomes one pipeline per node, each failing alone."""
+        client = self._get()
+        if client is None or not keys:
+            return None
+        if not self.cluster:
+            return self._run(client, keys, add)
+        out: list[Any] = [None] * len(keys)
+        for name, node, idx in self._by_node(client, keys, key_of):
+            with self._lock:
+                if time.monotonic() < self._node_down.get(name, 0.0):
+                    continue  # this node failed just now: its items are misses at once
+            got = self._run(client.get_redis_connection(node), [keys[i] for i in idx], add, name)
+            for i, r in zip(idx, got or (), strict=False):
+                out[i] = r
+        return out
+
+    def _by_node(self, client: Any, keys: Sequence[Any],
+                 key_of: Callable[[Any], bytes]) -> list[tuple[str, Any, list[int]]]:
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            for i, key in enumerate(keys):
+                node = client.get_node_from_key(key_of(key))
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except Exception as exc:  # no node holds a slot (cluster down): all misses
+            with self._lock:
+                self._fault_locked(exc)
+            return []
+        return [(name, node, idx) for name, (node, idx) in groups.items()]
+
+    # -- KeyedMedium ---------------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[bytes, Value]], ttl_s: int = 0) -> int:
+        ex = ttl_s if ttl_s > 0 else None
+        results = self._pipeline(items, lambda p, kv: p.set(kv[0], kv[1], ex=ex), _first)
+        return 0 if results is None else sum(r is True for r in results)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        results = self._pipeline(keys, lambda p, k: p.get(k))
+        if results is None:
+            return [None] * len(keys)
+        return [r if isinstance(r, bytes) else None for r in results]
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        # Standalone: one multi-key EXISTS first (its count answers "all" or "none" in one
+        # round trip, a fifth of a 64-command pipeline's client cost); per-key only when mixed.
+        count = self._count(keys) if not self.cluster and len(keys) > 1 else None
+        if count is not None and count in (0, len(keys)):
+            return [count > 0] * len(keys)
+        results = self._pipeline(keys, lambda p, k: p.exists(k))
+        if results is None:
+            return [False] * len(keys)
+        return [r == 1 for r in results]
+
+    def _count(self, keys: Sequence[bytes]) -> int | None:
+        """How many of ``keys`` exist (a key given twice counts twice), or None on a fault."""
+        client = self._get()
+        if client is None:
+            return None
+        try:
+            count = int(client.exists(*keys))
+        except Exception as exc:
+            with self._lock:
+                self._fault_locked(exc)
+            return None
+        self._ok()
+        return count
+
+    def health(self) -> MediumHealth:
+        with self._lock:
+            return MediumHealth(self._reachable, dict(self._errors))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class _ValuesUncopied:
+    """Send large values as they are (``sendall`` of the caller's buffer). redis-py with hiredis
+    packs every command into one new bytes object (and copies a memoryview first): two copies of
+    every page. Replies are still parsed by hiredis."""
+
+    _buffer_cutoff: int
+    encoder: Any
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class _Connection(_ValuesUncopied, Connection):
+    pass
+
+
+class _TLSConnection(_ValuesUncopied, SSLConnection):
+    pass
+
+
+def _first(item: tuple[bytes, Value]) -> bytes:
+    return item[0]
+
+
+def _kind(exc: BaseException) -> str:
+    from redis import exceptions as rx
+
+    if isinstance(exc, rx.TimeoutError):
+        return "timeout"
+    if isinstance(exc, rx.OutOfMemoryError) or str(exc).startswith("OOM"):
+        return "oom"
+    if isinstance(exc, rx.ClusterError | rx.ClusterDownError | rx.SlotNotCoveredError
+                  | rx.AskError | rx.TryAgainError):
+        return "cluster"
+    if isinstance(exc, rx.ConnectionError | OSError):
+        return "connection"
+    if isinstance(exc, rx.RedisClusterException):
+        return "cluster"
+    return "other"

@@ -1,0 +1,209 @@
+"""The remote tier through the whole engine, on the in-memory keyed medium (real engines, real
+bytes): two engines sharing one medium stand for two daemons sharing one store."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier import Tier, TierEngine
+from kvtier.errors import ConfigError
+from kvtier.tiers.frame import Framer
+from kvtier.tiers.keyed import DictMedium
+from tests.conftest import PAGE, small_config
+
+SECRET = b"0123456789abcdef-cluster-secret"
+
+
+def secret_file(tmp_path: Any, data: bytes = SECRET, name: str = "secret") -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Two engines (no disk) on one shared medium, same secret."""
+    medium = DictMedium()
+    secret = secret_file(tmp_path)
+    engines = [
+        TierEngine(small_config(None, remote_secret_file=secret), remote_medium=medium)
+        for _ in range(2)
+    ]
+    yield medium, engines
+    for e in engines:
+        e.close(grace=5)
+
+
+def stored_blocks(engine: TierEngine, tenant: str, n: int, seed: int = 1) -> tuple[Any, list]:
+    pool = engine.attach(tenant, 8)
+    slots = [s for _, s in engine.allocate(pool.pool_id, n)]
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for s in slots:
+        pool.segments[0][s].copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen))
+        data.append(pool.segments[0][s].clone())
+    return (pool, slots), data
+
+
+def test_a_store_in_one_engine_is_found_and_loaded_exactly_by_another(pair):
+    medium, (a, b) = pair
+    (pool_a, slots_a), data = stored_blocks(a, "t", 3)
+    keys = [b"k0", b"k1", b"k2"]
+    assert a.store(pool_a.pool_id, keys, slots_a) == 3
+    assert a.prefix._core.remote.flush(5)
+    assert len(medium.data) == 3 and all(k.startswith(b"kvtier:") for k in medium.data)
+    assert b.lookup("t", keys) == [Tier.REMOTE] * 3
+    assert b.lookup("other-tenant", keys) == []  # another tenant finds nothing
+    pool_b = b.attach("t", 8)
+    slots_b = [s for _, s in b.allocate(pool_b.pool_id, 3)]
+    assert b.load(pool_b.pool_id, [*keys, b"nope"], [*slots_b, slots_b[0]]) == 3
+    for s, want in zip(slots_b, data, strict=True):
+        assert torch.equal(pool_b.segments[0][s], want)
+    assert b.lookup("t", keys) == [Tier.CPU] * 3  # landed in the CPU tier like a disk hit
+    assert not a.prefix._core.table.protect.any() and not b.prefix._core.table.protect.any()
+    assert b.stats().tiers[1].used_bytes == 3 * PAGE  # the landed pages' slots, no more
+    assert b.load(pool_b.pool_id, keys, slots_b) == 3  # local now: nothing staged, nothing leaked
+    assert b.stats().tiers[1].used_bytes == 3 * PAGE
+    stats = b.stats()
+    assert stats.remote is not None and stats.remote.read_pages == 3
+    assert stats.counters.hits[Tier.REMOTE] == 3
+    assert a.stats().remote.written_pages == 3
+    assert a.stats().remote.written_bytes == sum(len(v) for v in medium.data.values())
+
+
+def test_a_store_larger_than_one_transfer_batch_is_written_whole(tmp_path):
+    """The scheduler splits a copy batch of more than BATCH_MB: every stored block still goes."""
+    medium, n = DictMedium(), 300  # 4 KiB pages, 1 MiB batches: 256 pages a batch
+    cfg = small_config(None, remote_secret_file=secret_file(tmp_path),
+                       cpu_memory_gb=2 * n * PAGE / 2**30, gpu_memory_gb=2 * n * PAGE / 2**30)
+    with TierEngine(cfg, remote_medium=medium) as e:
+        pool = e.attach("t", n)
+        slots = [s for _, s in e.allocate(pool.pool_id, n)]
+        pool.segments[0][slots] = torch.randint(0, 256, (n, PAGE), dtype=torch.uint8)
+        keys = [b"big%d" % i for i in range(n)]
+        assert e.store(pool.pool_id, keys, slots) == n
+        assert e.prefix._core.remote.flush(10)
+        assert len(medium.data) == n
+
+
+def test_lookup_answers_local_first_then_remote(pair):
+    _, (a, b) = pair
+    (pool_a, slots_a), _ = stored_blocks(a, "t", 2)
+    assert a.store(pool_a.pool_id, [b"x0", b"x1"], slots_a) == 2
+    assert a.prefix._core.remote.flush(5)
+    (pool_b, slots_b), _ = stored_blocks(b, "t", 1, seed=9)
+    assert b.store(pool_b.pool_id, [b"x0"], slots_b) == 1
+    assert b.lookup("t", [b"x0", b"x1", b"x2"]) == [Tier.CPU, Tier.REMOTE]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "other_key"])
+def test_a_damaged_or_foreign_value_is_a_counted_miss(pair, damage):
+    medium, (a, b) = pair
+    (pool_a, slots_a), _ = stored_blocks(a, "t", 2)
+    assert a.store(pool_a.pool_id, [b"d0", b"d1"], slots_a) == 2
+    assert a.prefix._core.remote.flush(5)
+    framer = Framer(SECRET)
+    from kvtier.prefix import salt_key
+
+    key0 = framer.store_key(salt_key("t", b"d0"))
+    value = medium.data[key0]
+    if damage == "flip":
+        medium.data[key0] = value[:100] + bytes([value[100] ^ 1]) + value[101:]
+    elif damage == "truncate":
+        medium.data[key0] = value[:-1]
+    elif damage == "foreign":  # framed right, but under another cluster's secret
+        medium.data[key0] = Framer(b"another-secret-of-16-bytes").frame(
+            salt_key("t", b"d0"), value[40 : 40 + PAGE]
+        )
+    else:  # a genuine value of another block (another tenant's), copied under this key
+        medium.data[key0] = medium.data[framer.store_key(salt_key("t", b"d1"))]
+    pool_b = b.attach("t", 8)
+    slots_b = [s for _, s in b.allocate(pool_b.pool_id, 2)]
+    assert b.load(pool_b.pool_id, [b"d0", b"d1"], slots_b) == 0
+    rejected = b.stats().remote.rejected
+    want = {"flip": "mac", "truncate": "length", "foreign": "mac", "other_key": "key"}[damage]
+    assert rejected == {want: 1}
+
+
+def test_the_store_down_answers_local_only_and_drops_writes(pair):
+    medium, (a, b) = pair
+    medium.down = True
+    (pool_a, slots_a), _ = stored_blocks(a, "t", 2)
+    assert a.store(pool_a.pool_id, [b"q0", b"q1"], slots_a) == 2  # local store unaffected
+    assert a.prefix._core.remote.flush(5)
+    assert a.stats().remote.dropped == {"store": 2}
+    assert a.lookup("t", [b"q0", b"q1"]) == [Tier.CPU, Tier.CPU]
+    assert b.lookup("t", [b"q0"]) == []
+    assert b.stats().remote.reachable is False
+    medium.down = False  # back: the next store is written
+    (pool_c, slots_c), _ = stored_blocks(a, "t", 1, seed=3)
+    assert a.store(pool_c.pool_id, [b"q2"], slots_c) == 1
+    assert a.prefix._core.remote.flush(5)
+    assert b.lookup("t", [b"q2"]) == [Tier.REMOTE]
+
+
+@pytest.mark.parametrize("admission", ["reused", "never"])
+def test_admission_reused_writes_on_first_reuse_never_writes_nothing(tmp_path, admission):
+    medium = DictMedium()
+    cfg = small_config(None, remote_secret_file=secret_file(tmp_path), remote_admission=admission)
+    with TierEngine(cfg, remote_medium=medium) as e:
+        (pool, slots), _ = stored_blocks(e, "t", 2)
+        assert e.store(pool.pool_id, [b"r0", b"r1"], slots) == 2
+        assert e.prefix._core.remote.flush(5)
+        assert medium.data == {}
+        assert e.load(pool.pool_id, [b"r0"], slots[:1]) == 1
+        assert e.prefix._core.remote.flush(5)
+        assert len(medium.data) == (1 if admission == "reused" else 0)
+        assert not e.prefix._core.table.protect.any()  # every page held for a copy let go
+
+
+def test_secret_file_must_be_private_and_present(tmp_path):
+    medium = DictMedium()
+    loose = secret_file(tmp_path, name="loose")
+    os.chmod(loose, 0o644)
+    with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*chmod 600"):
+        TierEngine(small_config(None, remote_secret_file=loose), remote_medium=medium)
+    with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_REMOTE_SECRET_FILE"):
+        TierEngine(small_config(None), remote_medium=medium)
+    short = secret_file(tmp_path, b"short", name="short")
+    with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*16 bytes"):
+        TierEngine(small_config(None, remote_secret_file=short), remote_medium=medium)
+
+
+def test_a_full_write_queue_drops_and_counts(tmp_path):
+    medium = DictMedium()
+    cfg = small_config(None, remote_secret_file=secret_file(tmp_path), remote_inflight_mb=1)
+    with TierEngine(cfg, remote_medium=medium) as e:
+        remote = e.prefix._core.remote
+        big = [(bytes([i]) * 16, remote.frame_buffer(bytes([i]) * 16, 600 * 1024)[0])
+               for i in range(2)]
+        assert remote.offer(big) == 1  # the second does not fit in 1 MiB in flight
+        assert remote.flush(5)
+        assert e.stats().remote.dropped == {"queue_full": 1}
+
+
+def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pair):
+    from kvtier.prefix import salt_key
+    from kvtier.prefix_remote import land, stage
+
+    _, (a, b) = pair
+    (pool_a, slots_a), _ = stored_blocks(a, "t", 1)
+    assert a.store(pool_a.pool_id, [b"m0"], slots_a) == 1
+    assert a.prefix._core.remote.flush(5)
+    core = b.prefix._core
+    salted = [salt_key("t", b"m0")]
+    staged = stage(core, "t", PAGE, salted, core.remote.fetch(salted, PAGE))
+    assert staged is not None and b.stats().tiers[1].used_bytes == PAGE
+    (pool_b, slots_b), mine = stored_blocks(b, "t", 1, seed=42)
+    assert b.store(pool_b.pool_id, [b"m0"], slots_b) == 1  # stored locally meanwhile
+    with core.cond:
+        assert land(core, staged) == 0
+    assert b.stats().tiers[1].used_bytes == PAGE  # the staged slot went back
+    pool_b.segments[0][slots_b[0]].zero_()
+    assert b.load(pool_b.pool_id, [b"m0"], slots_b) == 1
+    assert torch.equal(pool_b.segments[0][slots_b[0]], mine[0])  # the local page won
