@@ -42,7 +42,8 @@ def _direction(d: Direction) -> str:
 
 
 # Every reason the engine can drop a page for: exported at 0 so dashboards and alerts see them.
-DROP_REASONS = ("cpu_full", "corrupt", "disk_full", "no_admission", "tenant_quota")
+DROP_REASONS = ("cpu_full", "corrupt", "disk_full", "no_admission", "shutdown",
+                "tenant_quota")
 
 
 class EngineCollector(Collector):
