@@ -208,7 +208,9 @@ class PrefixStore:
         rest = [salt_key(tenant, k) for k in keys[len(tiers) :]]
         tiers += [Tier.REMOTE] * core.remote.contains(rest)  # no engine lock held
         with core.cond:
-            core.counters.hits[Tier.REMOTE] += sum(x is Tier.REMOTE for x in tiers)
+            remote = sum(x is Tier.REMOTE for x in tiers)
+            core.counters.hits[Tier.REMOTE] += remote
+            core.ledger.hits[Tier.REMOTE, owner] += remote
             self._count_miss(owner, len(tiers) < len(keys))
         return tiers
 

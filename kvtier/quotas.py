@@ -50,8 +50,10 @@ class Quota:
     def of(self, tier: Tier) -> int | None:
         return self.sizes()[int(tier)]
 
-    def sizes(self) -> tuple[int | None, int | None, int | None]:
-        return self.gpu, self.cpu, self.disk
+    def sizes(self) -> tuple[int | None, ...]:
+        """One entry per :class:`Tier`, in order; the remote tier has no quota (the shared
+        store's TTL and maxmemory policy bound it)."""
+        return self.gpu, self.cpu, self.disk, None
 
 
 def _size(text: str) -> int:
@@ -97,13 +99,13 @@ class TenantLedger:
         self.active = bool(quotas)
         self.names: list[str] = [""]  # owner id -> tenant; 0 = no tenant
         self._ids: dict[str, int] = {}
-        self.limit = np.full((3, 1), -1, dtype=np.int64)  # -1: no quota
-        self.settled = np.zeros((3, 1), dtype=np.int64)
-        self.incoming = np.zeros((3, 1), dtype=np.int64)
+        self.limit = np.full((len(Tier), 1), -1, dtype=np.int64)  # -1: no quota
+        self.settled = np.zeros((len(Tier), 1), dtype=np.int64)
+        self.incoming = np.zeros((len(Tier), 1), dtype=np.int64)
         self.moved_pages = np.zeros((len(Direction), 1), dtype=np.int64)
         self.moved_bytes = np.zeros((len(Direction), 1), dtype=np.int64)
-        self.hits = np.zeros((3, 1), dtype=np.int64)
-        self.evictions = np.zeros((3, 1), dtype=np.int64)
+        self.hits = np.zeros((len(Tier), 1), dtype=np.int64)
+        self.evictions = np.zeros((len(Tier), 1), dtype=np.int64)
         self.misses = np.zeros(1, dtype=np.int64)
         self.drops: dict[str, np.ndarray] = {}
 

@@ -56,7 +56,7 @@ def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:
         core.disk.capacity_bytes if core.disk else 0,
     )
     tiers = []
-    for tier in Tier:
+    for tier in (Tier.GPU, Tier.CPU, Tier.DISK):  # page homes; the remote tier: StatsReply.remote
         used = sum(p.used_slots * p.page_size for p in pools) if tier is Tier.GPU else (
             int(ledger.used(tier)[owner]) if owner else 0)
         limit = int(ledger.limit[tier, owner]) if owner else -1

@@ -117,7 +117,7 @@ def test_a_store_in_one_daemon_is_found_and_loaded_by_another(redis_acl, remote_
     with b.client("tenant") as cb:
         n, att, slots = load_into_fresh(cb, [b"q0"])
         assert n == 1 and bool((att.tensor[slots[0]] == 70).all())
-        remote = cb.stats().remote
+        remote = cb.stats(whole=True).remote
         assert remote.reachable and remote.read_pages == 4 and remote.read_bytes > 0
     assert "kvtier:" in redis_acl.cli("--scan", user="admin", password="admin-pw")
     assert PASSWORD not in a.output() + b.output()
@@ -160,7 +160,7 @@ def test_a_tampered_value_is_a_counted_miss(redis_acl, remote_daemon, capsys):
         redis_acl.cli("setrange", key, "100", "X", user="admin", password="admin-pw")  # one byte
         n, _, _ = load_into_fresh(cb, [b"x0"])
         assert n == 0  # a miss, never the wrong bytes
-        assert dict(cb.stats().remote.rejected) == {"mac": 1}
+        assert dict(cb.stats(whole=True).remote.rejected) == {"mac": 1}
     assert main(["status", "--address", b.address]) == 0
     out = capsys.readouterr().out
     assert "remote: reachable" in out and "mac=1" in out
@@ -177,7 +177,7 @@ def test_the_store_down_at_start_stopped_and_restarted(tmp_path, remote_daemon):
         store(c, [b"d0"], seed=1)  # local store unaffected
         assert c.lookup([b"d0", b"d1"]) == [Tier.CPU]  # local-only answer, in time
         assert time.monotonic() - t0 < 3.0
-        assert not c.stats().remote.reachable
+        assert not c.stats(whole=True).remote.reachable
         server.start()
         try:
             wait_for(lambda: _written_after_store(c) > 0, timeout=10.0)  # reconnects by itself
@@ -188,7 +188,7 @@ def test_the_store_down_at_start_stopped_and_restarted(tmp_path, remote_daemon):
             n, att, _ = load_into_fresh(c, [b"gone"])
             assert n == 0 and time.monotonic() - t0 < 3.0
             c.detach(att)
-            wait_for(lambda: sum(c.stats().remote.dropped.values()) > 0, timeout=5.0)
+            wait_for(lambda: sum(c.stats(whole=True).remote.dropped.values()) > 0, timeout=5.0)
             server.start()  # restarted, empty
             wait_for(lambda: _written_after_store(c) > 0, timeout=10.0)
         finally:
@@ -198,11 +198,11 @@ def test_the_store_down_at_start_stopped_and_restarted(tmp_path, remote_daemon):
 
 def _written_after_store(c: KVTierClient) -> int:
     """Store a fresh block; how many pages the daemon has written remotely since the last call."""
-    before = c.stats().remote.written_pages
+    before = c.stats(whole=True).remote.written_pages
     store(c, [os.urandom(8)], seed=9)
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        after = c.stats().remote.written_pages
+        after = c.stats(whole=True).remote.written_pages
         if after > before:
             return after - before
         time.sleep(0.05)
@@ -247,7 +247,7 @@ def test_a_store_slower_than_the_timeout_never_holds_a_call(redis_acl, remote_da
                 cb.detach(att)
                 store(cb, [os.urandom(8)], seed=4)
                 assert n == 0 and time.monotonic() - t0 < 3.0
-            assert cb.stats().remote.errors["timeout"] >= 1
+            assert cb.stats(whole=True).remote.errors["timeout"] >= 1
         finally:
             redis_acl.resume()
         wait_for(lambda: cb.lookup([b"s0"]) == [Tier.REMOTE], timeout=5.0)  # back by itself
