@@ -5,8 +5,9 @@
 - ``client()`` — the daemon client, created on first use (creating it contacts nobody).
 - ``ready()`` — ``False`` while the daemon was found away less than the current back-off ago
   (0.5 s, doubling to 10 s); callers then skip the daemon (a miss, a skipped store).
-- ``failed(exc)`` — record an outage: warns once per outage (not once per call) and starts the
-  back-off. ``ok()`` — record a success: logs once when the daemon is back.
+- ``failed(exc)`` — record an outage: warns once per outage (not once per call), starts the
+  back-off and drops the client, so the next try dials afresh instead of waiting out gRPC's own
+  reconnect back-off (up to minutes). ``ok()`` — record a success: logs once when it is back.
 
 Not thread-safe: each vLLM role calls its connector from one thread.
 """
@@ -55,6 +56,7 @@ class DaemonLink:
         else:
             self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
         self._retry_at = now + self._backoff
+        self.close()
 
     def ok(self) -> None:
         if self._down_since is not None:

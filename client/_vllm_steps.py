@@ -75,11 +75,11 @@ class WorkerSteps:
         return self._mover
 
     def _broken(self, exc: BaseException) -> None:
-        self.link.failed(exc)
         old, self._mover = self._mover, None
         if old is not None:
             with contextlib.suppress(Exception):  # a restarted daemon no longer knows it
                 old.close()
+        self.link.failed(exc)
 
     def _keyed(self, t: BlockTransfer, n: int) -> BlockTransfer:
         return BlockTransfer(t.req_id, rank_keys(t.keys[:n], self.rank), t.block_ids[:n])
