@@ -4,7 +4,7 @@
 
 - ``client()`` — the daemon client, created on first use (creating it contacts nobody).
 - ``ready()`` — ``False`` while the daemon was found away less than the current back-off ago
-  (0.5 s, doubling to 10 s); callers then skip the daemon (a miss, a skipped store).
+  (0.5 s, doubling to 2 s); callers then skip the daemon (a miss, a skipped store).
 - ``failed(exc)`` — record an outage: warns once per outage (not once per call), starts the
   back-off and drops the client, so the next try dials afresh instead of waiting out gRPC's own
   reconnect back-off (up to minutes). ``ok()`` — record a success: logs once when it is back.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 _FIRST_BACKOFF_S = 0.5
-_MAX_BACKOFF_S = 10.0
+_MAX_BACKOFF_S = 2.0
 
 
 class DaemonLink:

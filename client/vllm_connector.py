@@ -41,7 +41,7 @@ garbage); the blocks vLLM recomputes are stored in later steps.
 
 When the daemon is away: vLLM starts without it (a warning, once), lookups are misses and stores
 are skipped; after a restart (SIGTERM or kill -9) the worker re-attaches a fresh pool on the next
-step in which the daemon answers (back-off 0.5 s doubling to 10 s) and stores resume. Logs go to
+step in which the daemon answers (back-off 0.5 s doubling to 2 s) and stores resume. Logs go to
 vLLM's logger tree (``vllm.kvtier.connector``).
 """
 
