@@ -88,13 +88,15 @@ class WorkerSteps:
         invalid: set[int] = set()
         mover = self.mover() if loads else None
         for t in loads:
-            got = 0
+            got, counted = 0, False
             if mover is not None:
                 try:
-                    got = mover.load(self._keyed(t, len(t.keys)))
+                    got, counted = mover.load(self._keyed(t, len(t.keys))), True
                 except Exception as exc:
                     self._broken(exc)
                     mover = None
+            if not counted:  # the daemon was away: the mover never saw these blocks
+                self.counters.load_failed_blocks += len(t.block_ids)
             if got < len(t.block_ids):
                 invalid.update(t.block_ids[got:])
                 self._log.warning("kvtier: %d of %d blocks of %s did not load; recomputing",

@@ -94,6 +94,7 @@ def test_daemon_away_then_restarted(tmp_path: Path, sig: int) -> None:
     assert w.begin([BlockTransfer("r", KEYS[:2], [0, 1])]) == {0, 1}
     w.end([BlockTransfer("r", KEYS[:2], [0, 1])])
     assert w.counters.stored_blocks == 0 and w.link.outages == 1
+    assert w.counters.load_failed_blocks == 2
     proc = start_daemon(sock, cpu_gb=0.05)
     try:
         w.end([BlockTransfer("r", KEYS[:1], [0])])
