@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from tiny_model import TinyShape, build_tiny_llama, build_tiny_lora
 from vllm_harness import DaemonCtl, kv_config, mismatches, reference, run_engine, stats
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # engines start slowly
 
 MHA = TinyShape(layers=5, hidden=128, heads=4, kv_heads=4, intermediate=256)  # 4 heads x 32
 GQA = TinyShape(layers=3, hidden=512, heads=8, kv_heads=2, intermediate=512)  # 8:2 heads x 64

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from tiny_model import TinyShape, build_tiny_llama
 from vllm_harness import DaemonCtl, kv_config, mismatches, reference, run_engine, stats
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # engines start slowly
 
 SHAPE = TinyShape(layers=3, hidden=512, heads=8, kv_heads=2, intermediate=512)
 CPU_1MIB = 1 / 1024  # ~10 pages of 96 KiB: everything else goes to disk
