@@ -61,7 +61,8 @@ def lora_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     loras = {"l1": str(build_tiny_lora(tmp / "l1", GQA, seed=1)),
              "l2": str(build_tiny_lora(tmp / "l2", GQA, seed=2))}
     a, b, _ = shared_prompts(12, 90)
-    prompts = [{"ids": b}, {"ids": b, "lora": "l1"}, {"ids": b, "lora": "l2"}]
+    prompts = [{"ids": b}, {"ids": b, "lora": "l1"}, {"ids": b, "lora": "l2"},
+               {"ids": b, "salt": "s1"}, {"ids": b, "salt": "s2"}]
     return {"model": model, "loras": loras, "a": a, "b": b, "prompts": prompts,
             "ref": reference(tmp, model, prompts, loras=loras)}
 
@@ -69,20 +70,21 @@ def lora_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-on", "prefix-off"])
 def test_lora_never_gets_another_adapters_kv(lora_setup, prefix_caching: bool,
                                              tmp_path: Path) -> None:
+    """LoRA adapters and cache_salt are in the key whether vLLM's prefix caching is on or off."""
     s = lora_setup
     d = DaemonCtl(tmp_path / "k.sock")
     d.start()
     try:
         extra = {"loras": s["loras"], "prefix_caching": prefix_caching}
-        run_engine(tmp_path, "store", s["model"], [[{"ids": s["a"]}],
-                                                   [{"ids": s["a"], "lora": "l1"}]],
+        stored = [{"ids": s["a"]}, {"ids": s["a"], "lora": "l1"}, {"ids": s["a"], "salt": "s1"}]
+        run_engine(tmp_path, "store", s["model"], [[p] for p in stored],
                    kv_config(d.address, tmp_path, "store"), **extra)
         prompts = s["prompts"]
         got = run_engine(tmp_path, "load", s["model"], [[p] for p in prompts],
                          kv_config(d.address, tmp_path, "load"), **extra)
         assert mismatches(prompts, got, s["ref"]) == []
-        # base B loads base A's 2 blocks, B under l1 loads A-under-l1's, B under l2 nothing.
-        assert stats(tmp_path, "load")["loaded_blocks"] == 4
+        # B loads A's 2 blocks under the same adapter or salt only: base, l1, s1 (not l2, s2).
+        assert stats(tmp_path, "load")["loaded_blocks"] == 6
     finally:
         d.stop()
 
