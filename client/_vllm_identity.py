@@ -64,17 +64,31 @@ def files_fingerprint(folder: str | os.PathLike[str]) -> str | None:
 
 
 @lru_cache(maxsize=64)
-def _cached_fingerprint(folder: str, mtime_ns: int) -> str | None:
+def _cached_fingerprint(folder: str, stamp: tuple[int, int]) -> str | None:
     return files_fingerprint(folder)
 
 
+def _stamp(root: Path) -> tuple[int, int]:
+    """(file count, newest mtime) of a folder's files: changes when any file is rewritten."""
+    newest, count = root.stat().st_mtime_ns, 0
+    for p in root.rglob("*"):
+        if p.is_file():
+            count += 1
+            newest = max(newest, p.stat().st_mtime_ns)
+    return count, newest
+
+
 def folder_identity(path: str) -> str:
-    """A folder's fingerprint (cached while its mtime holds), else the path string itself."""
-    try:
-        mtime = Path(path).stat().st_mtime_ns
-    except OSError:
+    """A folder's fingerprint (cached while no file in it changes), else the path string.
+
+    An adapter rewritten in place gets a new identity at once; vLLM itself keeps serving an
+    adapter it already loaded until it reloads it (``load_inplace``), so give a new version a
+    new LoRA name or id.
+    """
+    root = Path(path)
+    if not root.is_dir():
         return f"name:{path}"
-    fp = _cached_fingerprint(path, mtime)
+    fp = _cached_fingerprint(path, _stamp(root))
     return f"files:{fp}" if fp is not None else f"name:{path}"
 
 

@@ -79,8 +79,10 @@ def test_adapter_rewritten_at_its_path_changes_the_salt(tmp_path: Path) -> None:
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\x00" * 1000)
     lora = SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(tmp_path))
     before = request_salt(Req("r", [1], lora_request=lora))
-    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x07" * 1000)
-    os.utime(tmp_path, ns=(1, 1))  # a new folder mtime: the cached fingerprint is recomputed
+    weights = tmp_path / "adapter_model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    weights.write_bytes(b"\x07" * 1000)  # rewritten in place: the folder's mtime stays
+    os.utime(weights, ns=(mtime + 1, mtime + 1))
     assert request_salt(Req("r", [1], lora_request=lora)) != before
 
 
