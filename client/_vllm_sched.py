@@ -8,11 +8,17 @@ blocks kvtier already holds. Contract with vLLM's scheduler (``KVConnectorBase_V
   compute at least one). Side-effect free apart from remembering the hit for the next call.
 - ``after_alloc(request, block_ids, num_external)``: plan the load of those tokens' blocks.
 - ``build(new_reqs, cached_reqs, num_scheduled)``: this step's ``(loads, stores)``; a store covers
-  every block that becomes full in this step (prompt or output) and kvtier does not hold yet.
+  every block that becomes full in this step (prompt or output) and kvtier does not hold yet, and
+  names the request's earlier blocks (``prefix_ids``) so the worker can refuse a run whose chain
+  met a block that failed to load. When vLLM rewinds a request (a failed load, a preemption) the
+  blocks it recomputes are planned for storing again.
 - ``finished(req_id)``: forget the request (stores are synchronous, so blocks may be freed now).
 
 Keys are vLLM's own block hashes re-keyed into our namespace when they are reproducible across
-processes; otherwise chained hashes of the token ids.
+processes; otherwise chained hashes of the token ids. Either way the namespace is the engine's
+(``_vllm_identity.engine_namespace``) plus the request's salt (LoRA adapter, ``cache_salt``,
+multimodal inputs: ``_vllm_identity.request_salt``), so nothing that changes KV for the same
+tokens is left out on any path.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._blocks import chain_keys, rekey
+from ._blocks import chain_keys, namespace, rekey
+from ._vllm_identity import request_salt
 
 
 @dataclass(slots=True)
@@ -31,6 +38,7 @@ class BlockTransfer:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    prefix_ids: list[int] = field(default_factory=list)  # the chain's blocks before block_ids
 
 
 @dataclass(slots=True)
@@ -39,6 +47,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     held: int = 0  # leading blocks kvtier holds (loaded, found or stored)
     keys: list[bytes] = field(default_factory=list)
+    ns: bytes | None = None
 
 
 class LoadStorePlanner:
@@ -61,17 +70,25 @@ class LoadStorePlanner:
         cached = st.keys if st is not None else []
         if len(cached) >= n:
             return cached[:n]
+        ns = st.ns if st is not None and st.ns is not None else self.request_ns(request)
+        if st is not None:
+            st.ns = ns
         hashes = getattr(request, "block_hashes", None) or []
         # One engine hash per block of ours, or they were hashed at another granularity.
         same_blocks = len(hashes) == request.num_tokens // self.block_size
         if self.use_engine_hashes and same_blocks and len(hashes) >= n:
-            keys = cached + rekey(hashes[len(cached) : n], ns=self.ns)
+            keys = cached + rekey(hashes[len(cached) : n], ns=ns)
         else:
             keys = chain_keys(list(request.all_token_ids[: n * self.block_size]),
-                              self.block_size, ns=self.ns)
+                              self.block_size, ns=ns)
         if st is not None:
             st.keys = keys
         return keys
+
+    def request_ns(self, request: Any) -> bytes:
+        """The engine namespace, salted with what changes this request's KV for its tokens."""
+        salt = request_salt(request)
+        return namespace(self.ns, salt) if salt else self.ns
 
     # --- vLLM scheduler hooks ---------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed: int) -> int:
@@ -112,6 +129,9 @@ class LoadStorePlanner:
             elif new is not None:
                 st.block_ids.extend(new[0])
             computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, done in computed.items():  # vLLM rewound it: its later blocks are recomputed
+            st = self._reqs[req_id]
+            st.held = min(st.held, done // self.block_size)
         stores = []
         for req_id, done in computed.items():
             after = done + num_scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
@@ -127,7 +147,8 @@ class LoadStorePlanner:
         if full <= st.held:
             return None
         keys = self.keys(st.request, full)[st.held :]
-        t = BlockTransfer(st.request.request_id, keys, st.block_ids[st.held : full])
+        t = BlockTransfer(st.request.request_id, keys, st.block_ids[st.held : full],
+                          st.block_ids[: st.held])
         st.held = full
         return t
 

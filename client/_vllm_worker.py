@@ -8,6 +8,7 @@
 - ``load(t) -> int``: leading blocks of ``t`` now holding exactly the stored bytes. Blocks after
   that were not written and must be recomputed (the connector reports them as invalid).
 - ``store(t) -> int``: blocks stored (already-present keys count); a shortfall is not an error.
+- Errors of the daemon (away, restarted: the pool is gone) pass through; the caller re-attaches.
 
 ``MoverCounters`` are plain numbers; the connector logs them and can write them to a file.
 """
@@ -31,6 +32,8 @@ class MoverCounters:
     store_failed_blocks: int = 0
     load_calls: int = 0
     store_calls: int = 0
+    unsafe_store_blocks: int = 0  # not stored: an earlier block of the chain failed to load
+    attaches: int = 0  # pools attached or registered (more than 1: re-attached after an outage)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -38,9 +41,9 @@ class MoverCounters:
 
 class BlockMover:
     def __init__(self, backend: Backend, rows: BlockRows, *, register: bool,
-                 staging_slots: int = 64) -> None:
+                 staging_slots: int = 64, counters: MoverCounters | None = None) -> None:
         self.backend, self.rows = backend, rows
-        self.counters = MoverCounters()
+        self.counters = counters if counters is not None else MoverCounters()
         self._registered = register
         if register:
             self._pool = backend.register(rows.segments)
@@ -48,6 +51,7 @@ class BlockMover:
             self._staging = backend.attach(min(staging_slots, rows.num_blocks),
                                            round_page(rows.page_bytes))
             self._pool = self._staging.handle
+        self.counters.attaches += 1
 
     def close(self) -> None:
         self.backend.detach(self._pool)

@@ -16,12 +16,34 @@ and copies CPU memory), ``staging_slots`` (64), ``stats_file`` (write the worker
 as JSON after every step that moved blocks).
 
 Scheduler side: the number of prompt tokens kvtier holds is the longest stored prefix of the
-request's chained block keys (vLLM's own block hashes where they are reproducible; kvtier salts
-them per tenant), planned into loads and stores by ``LoadStorePlanner``. Worker side: loads run
-synchronously in ``start_load_kv`` before the forward; full blocks are stored in ``wait_for_save``
-after it. A block that fails to load is reported through ``get_block_ids_with_load_errors`` so
-vLLM recomputes it (set ``kv_load_failure_policy="recompute"``; vLLM's default fails the request):
-a load yields the stored bytes or a recompute, never wrong KV. Stores are best effort.
+request's chained block keys that *every* tensor/pipeline rank holds, planned into loads and
+stores by ``LoadStorePlanner``. Worker side (``WorkerSteps``): loads run synchronously in
+``start_load_kv`` before the forward; full blocks are stored in ``wait_for_save`` after it.
+
+What identifies a cache entry (a page = one block across the rank's layers):
+
+- the engine namespace: a fingerprint of the weights' files (names, sizes, mtimes, sampled
+  content; a hub id is fingerprinted through its local snapshot), the model config, dtype, KV
+  cache dtype, block size, the KV cache layout (per-rank heads, head size, dtype), tensor and
+  pipeline sizes and the vLLM version — new weights at the same path never see old KV;
+- the request's salt: LoRA adapter (name, path, files' fingerprint), ``cache_salt``, multimodal
+  inputs — the same tokens under another adapter or image never share KV, whether vLLM's prefix
+  caching is on (its block hashes, re-keyed) or off (chained hashes of the token ids);
+- the tokens of the block and of every block before it (chained keys);
+- the rank: each worker stores its shard under keys salted with its TP/PP rank and sizes; a
+  prefix is a hit only for the blocks that every rank holds.
+The daemon also salts every key per tenant.
+
+Never wrong KV: a block that fails to load (rotten on disk, evicted meanwhile, daemon away) is
+reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it (set
+``kv_load_failure_policy="recompute"``; vLLM's default fails the request). In that step no block
+whose chain meets a block that failed to load on any rank is stored (it was computed from
+garbage); the blocks vLLM recomputes are stored in later steps.
+
+When the daemon is away: vLLM starts without it (a warning, once), lookups are misses and stores
+are skipped; after a restart (SIGTERM or kill -9) the worker re-attaches a fresh pool on the next
+step in which the daemon answers (back-off 0.5 s doubling to 2 s) and stores resume. Logs go to
+vLLM's logger tree (``vllm.kvtier.connector``).
 """
 
 from __future__ import annotations
@@ -38,16 +60,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ._backend import Backend, ClientBackend
-from ._blocks import namespace
+from ._vllm_identity import Rank, all_rank_keys, engine_namespace
+from ._vllm_link import DaemonLink
 from ._vllm_pages import BlockRows, block_segments
 from ._vllm_sched import BlockTransfer, LoadStorePlanner
-from ._vllm_worker import BlockMover
+from ._vllm_steps import WorkerSteps
 
 if TYPE_CHECKING:
     import torch
 
-log = init_logger("kvtier.client.vllm_connector")
+log = init_logger("vllm.kvtier.connector")
 _REPRODUCIBLE_HASHES = ("sha256", "sha256_cbor")
 
 
@@ -91,19 +113,36 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     stores: list[BlockTransfer]
 
 
-def _namespace(cfg: Any) -> bytes:
-    """What a page's bytes depend on besides the tokens: model, dtypes, shapes, block size, TP."""
-    mc, pc, cc = cfg.model_config, cfg.parallel_config, cfg.cache_config
-    return namespace("vllm", mc.model, str(mc.dtype), cc.cache_dtype, cc.block_size,
-                     mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size(),
-                     pc.tensor_parallel_size, pc.pipeline_parallel_size)
-
-
 def _engine_hashes_usable(cfg: Any) -> bool:
     cc = cfg.cache_config
     algo = getattr(cc, "prefix_caching_hash_algo", "")
     return bool(cc.enable_prefix_caching) and (
         algo in _REPRODUCIBLE_HASHES or "PYTHONHASHSEED" in os.environ)
+
+
+def _rank(vllm_config: Any) -> Rank:
+    """This worker's place in the shard layout (vLLM's groups exist before the connector)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    pc = vllm_config.parallel_config
+    tp, pp = get_tp_group(), get_pp_group()
+    return Rank(tp.rank_in_group, pc.tensor_parallel_size, pp.rank_in_group,
+                pc.pipeline_parallel_size)
+
+
+def _exchange(tainted: set[int]) -> set[int]:
+    """The union of every rank's set (TP group, then PP group): a collective on all ranks."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    out = set(tainted)
+    for group in (get_tp_group(), get_pp_group()):
+        if group.world_size <= 1:
+            continue
+        parts: list[Any] = [None] * group.world_size
+        dist.all_gather_object(parts, sorted(out), group=group.cpu_group)
+        out = {b for part in parts for b in part}
+    return out
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -114,46 +153,50 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._opts = ConnectorOptions.from_extra(
             dict(self._kv_transfer_config.kv_connector_extra_config))
-        self._backend: Backend | None = None
         self._block_size = vllm_config.cache_config.block_size
+        pc = vllm_config.parallel_config
+        self._sizes = (pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self._link = DaemonLink(self._connect, role.name.lower(), log)
         self._planner: LoadStorePlanner | None = None
-        self._mover: BlockMover | None = None
+        self._steps: WorkerSteps | None = None
         self._invalid: set[int] = set()
+        self._rank = Rank()
         if role == KVConnectorRole.SCHEDULER:
             self._planner = LoadStorePlanner(
-                self._lookup, self._block_size, _namespace(vllm_config),
+                self._lookup, self._block_size, engine_namespace(vllm_config, kv_cache_config),
                 use_engine_hashes=_engine_hashes_usable(vllm_config))
+        else:
+            self._rank = _rank(vllm_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r; set 'recompute' so a failed load "
                         "is recomputed instead of failing the request",
                         self._kv_transfer_config.kv_load_failure_policy)
 
     # --- shared -----------------------------------------------------------------------------
-    def _client(self) -> Backend:
-        if self._backend is None:
-            from .sync import connect
+    def _connect(self) -> Any:
+        from .sync import connect
 
-            o = self._opts
-            client = connect(o.address, tenant=o.tenant, token=o.token or None, timeout=o.timeout,
-                             tenant_token_file=o.tenant_token_file or None)
-            self._backend = ClientBackend(client)
-        return self._backend
+        o = self._opts
+        return connect(o.address, tenant=o.tenant, token=o.token or None, timeout=o.timeout,
+                       tenant_token_file=o.tenant_token_file or None)
 
     def _lookup(self, keys: list[bytes]) -> int:
-        try:
-            return len(self._client().lookup(keys))
-        except Exception as exc:  # a daemon outage is a miss, never a failed request
-            log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
+        """Leading blocks of ``keys`` that every rank holds; 0 while the daemon is away."""
+        if not self._link.ready():
             return 0
+        tp, pp = self._sizes
+        try:
+            found = len(self._link.client().lookup(all_rank_keys(keys, tp, pp)))
+        except Exception as exc:  # a daemon outage is a miss, never a failed request
+            self._link.failed(exc)
+            return 0
+        self._link.ok()
+        return found // (tp * pp)
 
     def shutdown(self) -> None:
-        if self._mover is not None:
-            try:
-                self._mover.close()
-            except Exception as exc:
-                log.warning("kvtier: detach failed: %s", exc)
-        if isinstance(self._backend, ClientBackend):
-            self._backend.client.close()
+        if self._steps is not None:
+            self._steps.close()
+        self._link.close()
 
     # --- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -183,15 +226,17 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
         num_blocks = self._num_blocks(tensors)
-        segments = [s for t in tensors for s in block_segments(t, num_blocks)]
-        rows = BlockRows(segments)
+        rows = BlockRows([s for t in tensors for s in block_segments(t, num_blocks)])
         register = self._opts.mode == "register" or (
             self._opts.mode == "auto" and tensors[0].is_cuda)
-        self._mover = BlockMover(self._client(), rows, register=register,
-                                 staging_slots=self._opts.staging_slots)
-        log.info("kvtier: %s %d layers, %d blocks of %d bytes (tenant %s)",
-                 "registered" if register else "copying through staging for", len(tensors),
-                 num_blocks, rows.page_bytes, self._opts.tenant)
+        world = self._rank.world
+        self._steps = WorkerSteps(self._link, rows, log, rank=self._rank, register=register,
+                                  staging_slots=self._opts.staging_slots,
+                                  exchange=_exchange if world > 1 else None)
+        self._steps.mover()  # attach now if the daemon is up; else on a later step
+        log.info("kvtier: %d layers, %d blocks of %d bytes (tenant %s, rank %d of %d)",
+                 len(tensors), num_blocks, rows.page_bytes, self._opts.tenant,
+                 self._rank.tp_rank + self._rank.tp_size * self._rank.pp_rank, world)
 
     def _num_blocks(self, tensors: list[torch.Tensor]) -> int:
         cfg = self._kv_cache_config
@@ -201,18 +246,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVTierConnectorMetadata) or self._mover is None:
+        if not isinstance(meta, KVTierConnectorMetadata) or self._steps is None:
             return
-        for t in meta.loads:
-            try:
-                got = self._mover.load(t)
-            except Exception as exc:
-                log.warning("kvtier: load for %s failed (%s); recomputing", t.req_id, exc)
-                got = 0
-            if got < len(t.block_ids):
-                self._invalid.update(t.block_ids[got:])
-            log.info("kvtier: loaded %d of %d blocks (%d tokens) for %s", got, len(t.keys),
-                     got * self._block_size, t.req_id)
+        self._invalid |= self._steps.begin(meta.loads)
         if meta.loads:
             self._write_stats()
 
@@ -225,14 +261,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVTierConnectorMetadata) or self._mover is None:
+        if not isinstance(meta, KVTierConnectorMetadata) or self._steps is None:
             return
-        for t in meta.stores:
-            try:
-                self._mover.store(t)
-            except Exception as exc:
-                log.warning("kvtier: store for %s failed (%s); it will be recomputed later",
-                            t.req_id, exc)
+        self._steps.end(meta.stores)
         if meta.stores:
             self._write_stats()
 
@@ -241,10 +272,15 @@ class KVTierConnector(KVConnectorBase_V1):
         return out
 
     def _write_stats(self) -> None:
-        if not self._opts.stats_file or self._mover is None:
+        if not self._opts.stats_file or self._steps is None:
             return
-        data = dict(self._mover.counters.as_dict(), block_size=self._block_size)
-        tmp = f"{self._opts.stats_file}.{os.getpid()}.tmp"
+        data = dict(self._steps.counters.as_dict(), block_size=self._block_size,
+                    outages=self._link.outages)
+        path = self._opts.stats_file
+        r = self._rank
+        if r.world > 1 and (r.tp_rank or r.pp_rank):
+            path = f"{path}.rank{r.tp_rank + r.tp_size * r.pp_rank}"
+        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
-        os.replace(tmp, self._opts.stats_file)
+        os.replace(tmp, path)

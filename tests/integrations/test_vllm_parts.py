@@ -61,7 +61,7 @@ def test_plan_loads_then_stores_new_full_blocks() -> None:
     nr = SimpleNamespace(req_id="r", block_ids=([10, 11, 12, 13],), num_computed_tokens=8)
     loads, stores = p.build([nr], cached(), {"r": 6}, {})
     assert loads == [BlockTransfer("r", keys[:2], [10, 11])]
-    assert stores == [BlockTransfer("r", keys[2:3], [12])]  # block 3 is not full yet
+    assert stores == [BlockTransfer("r", keys[2:3], [12], [10, 11])]  # block 3 is not full
     req.all_token_ids.append(99)  # one output token: 15 tokens, still 3 full blocks
     loads, stores = p.build([], cached(["r"], [None], [14]), {"r": 1}, {})
     assert loads == [] and stores == []

@@ -7,6 +7,7 @@ Words ``w0 .. w{vocab-5}`` map to ids after four special tokens, so a prompt is 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +94,33 @@ def build_tiny_llama(path: str | Path, shape: TinyShape = TinyShape(), *, seed: 
 def words(ids: list[int]) -> str:
     """The text that tokenizes to ``ids`` (ids must be ≥ the special tokens)."""
     return " ".join(f"w{i - len(SPECIALS)}" for i in ids)
+
+
+def build_tiny_lora(path: str | Path, shape: TinyShape = TinyShape(), *, seed: int = 1,
+                    rank: int = 8) -> Path:
+    """A PEFT-format LoRA adapter (attention q/k/v/o, random A and B) for ``shape``'s model.
+
+    It changes the keys and values, so the same tokens give other KV under it than without it.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    kv = shape.kv_heads * shape.head_dim
+    dims = {"q_proj": (shape.hidden, shape.hidden), "k_proj": (shape.hidden, kv),
+            "v_proj": (shape.hidden, kv), "o_proj": (shape.hidden, shape.hidden)}
+    tensors = {}
+    for layer in range(shape.layers):
+        for mod, (d_in, d_out) in dims.items():
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * 0.2
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.2
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+              "target_modules": list(dims), "bias": "none", "task_type": "CAUSAL_LM",
+              "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
+              "base_model_name_or_path": None}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

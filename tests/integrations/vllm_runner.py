@@ -1,8 +1,15 @@
 """Run one vLLM engine (a fresh process) over phases of prompts; write greedy outputs as JSON.
 
-``python vllm_runner.py SPEC.json``. SPEC: ``model``, ``phases`` (lists of token-id prompts; the
-prefix cache is reset between phases so later phases can only reuse KV through kvtier),
-``max_tokens``, ``block_size``, ``out`` and optionally ``kvtier`` (connector extra config).
+``python vllm_runner.py SPEC.json``. SPEC: ``model``, ``phases`` (lists of prompts; the prefix
+cache is reset between phases so later phases can only reuse KV through kvtier),
+``max_tokens``, ``block_size``, ``out`` and optionally:
+
+- ``kvtier``: connector extra config (no connector without it);
+- a prompt is a list of token ids, or ``{"ids": [...], "lora": NAME, "salt": STR}``;
+  ``loras``: ``{NAME: adapter folder}`` (enables LoRA);
+- ``tp``: tensor-parallel size; ``prefix_caching``: ``false`` turns vLLM's prefix caching off;
+- ``sync`` (a folder) and ``pause_after`` (phase indices): after such a phase the runner writes
+  ``sync/paused-I`` and waits for ``sync/resume-I`` (the test restarts the daemon meanwhile).
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -18,6 +27,12 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"], dtype="float32", gpu_memory_utilization=0.1, max_model_len=1024,
         block_size=spec["block_size"], enforce_eager=True, seed=0, max_num_seqs=4,
     )
+    if spec.get("tp", 1) > 1:
+        args.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+    if spec.get("prefix_caching") is False:
+        args["enable_prefix_caching"] = False
+    if spec.get("loras"):
+        args.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     if spec.get("kvtier"):
         args["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
@@ -29,6 +44,34 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def _pause(spec: dict[str, Any], phase: int) -> None:
+    if phase not in spec.get("pause_after", ()):
+        return
+    sync = Path(spec["sync"])
+    (sync / f"paused-{phase}").touch()
+    deadline = time.monotonic() + 300
+    while not (sync / f"resume-{phase}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no resume-{phase}")
+        time.sleep(0.1)
+
+
+def _request(spec: dict[str, Any], prompt: Any) -> tuple[dict[str, Any], Any]:
+    from vllm.lora.request import LoRARequest
+
+    if isinstance(prompt, list):
+        return {"prompt_token_ids": prompt}, None
+    req: dict[str, Any] = {"prompt_token_ids": prompt["ids"]}
+    if prompt.get("salt"):
+        req["cache_salt"] = prompt["salt"]
+    lora = None
+    if prompt.get("lora"):
+        names = sorted(spec["loras"])
+        name = prompt["lora"]
+        lora = LoRARequest(name, names.index(name) + 1, spec["loras"][name])
+    return req, lora
+
+
 def main(path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -38,11 +81,13 @@ def main(path: str) -> None:
     llm = LLM(**engine_args(spec))
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = []
-    for phase in spec["phases"]:
+    for i, phase in enumerate(spec["phases"]):
         llm.reset_prefix_cache()
         for prompt in phase:  # one at a time: later prompts of a phase may reuse earlier ones
-            res = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            req, lora = _request(spec, prompt)
+            res = llm.generate([req], params, use_tqdm=False, lora_request=lora)
             outputs.append(list(res[0].outputs[0].token_ids))
+        _pause(spec, i)
     with open(spec["out"], "w", encoding="utf-8") as fh:
         json.dump({"outputs": outputs}, fh)
 
