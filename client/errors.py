@@ -1,17 +1,17 @@
-"""The one place mapping gRPC status codes back to ``kvtier.errors`` classes (client side)."""
+"""gRPC status codes back to ``kvtier.errors`` classes (client side).
+
+The table is ``kvtier.errors.STATUS_CODES``, the one the daemon maps errors with; here only the
+INVALID_ARGUMENT text is split back into its field and message.
+"""
 
 from __future__ import annotations
 
 import grpc
 
 from kvtier.errors import (
-    CapacityError,
-    DeadlineExceeded,
-    FailedPrecondition,
+    STATUS_CODES,
     InvalidArgument,
     KVTierError,
-    NotFound,
-    PageLost,
     PermissionDenied,
     Unauthenticated,
     Unavailable,
@@ -19,7 +19,20 @@ from kvtier.errors import (
 
 # The daemon refused the call's token: TCP listeners need ``token=``; a daemon that checks
 # tenants needs ``tenant_token=`` (PermissionDenied: a valid token of someone else).
-__all__ = ["PermissionDenied", "Unauthenticated", "from_rpc_error"]
+# Unavailable: re-exported for the clients' retry paths (sync.py, aio.py).
+__all__ = ["PermissionDenied", "Unauthenticated", "Unavailable", "from_rpc_error"]
+
+
+
+def _classes_by_code() -> dict[grpc.StatusCode, type[KVTierError]]:
+    """``kvtier.errors.STATUS_CODES`` read from the client's side: each code's first row wins."""
+    classes: dict[grpc.StatusCode, type[KVTierError]] = {}
+    for cls, name in STATUS_CODES:
+        classes.setdefault(grpc.StatusCode[name], cls)
+    return classes
+
+
+_CLASSES = _classes_by_code()
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVTierError:
@@ -29,16 +42,5 @@ def from_rpc_error(err: grpc.RpcError) -> KVTierError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, sep, msg = text.partition(": ")
         return InvalidArgument(field, msg) if sep else InvalidArgument("request", text)
-    simple: dict[grpc.StatusCode, type[KVTierError]] = {
-        grpc.StatusCode.NOT_FOUND: NotFound,
-        grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-        grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
-        grpc.StatusCode.UNAVAILABLE: Unavailable,
-        grpc.StatusCode.CANCELLED: Unavailable,
-        grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-        grpc.StatusCode.DATA_LOSS: PageLost,
-        grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    }
-    cls = simple.get(code, KVTierError)
+    cls = _CLASSES.get(code, KVTierError)
     return cls(f"{text} [{code.name}]" if cls is KVTierError else text)

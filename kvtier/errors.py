@@ -3,7 +3,8 @@
 Every error a caller can see derives from :class:`KVTierError`. Capacity shortfall is *not* an
 exception inside the engine (it is an ordinary return value); :class:`CapacityError` exists for the
 edges (client, servicer) that must turn a shortfall into a status. Only the gRPC servicer maps these
-classes to status codes (see ``kvtier.server.errors``); the client maps status codes back.
+classes to status codes (see ``kvtier.server.errors``); the client maps status codes back
+(``kvtier.client.errors``). Both read the one table here, :data:`STATUS_CODES`.
 """
 
 from __future__ import annotations
@@ -63,3 +64,26 @@ class DeadlineExceeded(KVTierError, TimeoutError):
 
 class CorruptPage(KVTierError):
     """Stored bytes failed their checksum. Raised inside tiers; the engine turns it into a miss."""
+
+
+# The one error <-> status table, by gRPC status code *name* (this module does not import grpc).
+# Server (error -> code): the first row whose class the error is an instance of, so a subclass is
+# listed before its base (PermissionDenied before Unauthenticated). Client (code -> error): the
+# first row naming the code, so the class a caller should catch comes first (InvalidArgument before
+# ConfigError, PageLost before CorruptPage). A row no error reaches first on the server side maps
+# a code only the client sees (CANCELLED: the call was cancelled or the channel dropped).
+STATUS_CODES: tuple[tuple[type[KVTierError], str], ...] = (
+    (InvalidArgument, "INVALID_ARGUMENT"),
+    (ConfigError, "INVALID_ARGUMENT"),
+    (NotFound, "NOT_FOUND"),
+    (FailedPrecondition, "FAILED_PRECONDITION"),
+    (CapacityError, "RESOURCE_EXHAUSTED"),
+    (Unavailable, "UNAVAILABLE"),
+    (Unavailable, "CANCELLED"),
+    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (PageLost, "DATA_LOSS"),
+    (CorruptPage, "DATA_LOSS"),
+    (PermissionDenied, "PERMISSION_DENIED"),
+    (Unauthenticated, "UNAUTHENTICATED"),
+)
+

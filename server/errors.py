@@ -1,41 +1,19 @@
 """The one place that maps kvtier errors to gRPC status codes.
 
-The client maps the codes back (``kvtier.client.errors``). Anything outside the kvtier hierarchy is
-an internal bug: it becomes INTERNAL with a generic message (details go to the log only).
+The table itself is ``kvtier.errors.STATUS_CODES``, shared with the client, which maps the codes
+back (``kvtier.client.errors``). Anything outside the kvtier hierarchy is an internal bug: it
+becomes INTERNAL with a generic message (details go to the log only).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from kvtier.errors import (
-    CapacityError,
-    ConfigError,
-    CorruptPage,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    KVTierError,
-    NotFound,
-    PageLost,
-    PermissionDenied,
-    Unauthenticated,
-    Unavailable,
-)
+from kvtier.errors import STATUS_CODES, CapacityError
 
-_CODES: tuple[tuple[type[KVTierError], grpc.StatusCode], ...] = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (PageLost, grpc.StatusCode.DATA_LOSS),
-    (CorruptPage, grpc.StatusCode.DATA_LOSS),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),  # before its base class
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-)
+# The table lives in kvtier.errors (the client reads it too); here its names become grpc codes.
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = tuple(
+    (cls, grpc.StatusCode[name]) for cls, name in STATUS_CODES)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
