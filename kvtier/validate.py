@@ -1,4 +1,10 @@
-"""Input checks shared by the engine's entry points. Each raises ``InvalidArgument(field, ...)``."""
+"""The field rules of kvtier: input checks of the engine's entry points and of the daemon.
+
+Each check raises ``InvalidArgument(field, ...)`` naming the field it was given, and returns the
+value in the form the engine takes. This is the one place a field rule is written: the daemon's
+``server/validate.py`` adds only wire-level limits (how many ids one request may carry, proto3's
+"0 means unset") and calls these for the rest.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,19 @@ import numpy as np
 from kvtier.errors import InvalidArgument, NotFound
 
 MAX_IDS = 1 << 20
+MAX_NAME_CHARS = 128
+MAX_KEY_BYTES = 64
+MAX_PAGE_SIZE = 64 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 
 
 def check_name(field: str, value: object) -> str:
+    """A tenant (or other) name: 1..128 characters of ASCII letters, digits and ``._:@/-``,
+    starting with a letter or digit."""
+    if isinstance(value, str) and not value:
+        raise InvalidArgument(field, "must not be empty")
+    if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
+        raise InvalidArgument(field, f"must be at most {MAX_NAME_CHARS} characters")
     if not isinstance(value, str) or not _NAME.match(value):
         raise InvalidArgument(
             field,
@@ -95,6 +110,26 @@ def check_keys(field: str, keys: Sequence[bytes]) -> list[bytes]:
     if len(keys) > MAX_IDS:
         raise InvalidArgument(field, f"at most {MAX_IDS} keys per call")
     for k in keys:
-        if not isinstance(k, bytes) or not 1 <= len(k) <= 64:
-            raise InvalidArgument(field, "each key must be 1-64 bytes")
+        if not isinstance(k, bytes) or not 1 <= len(k) <= MAX_KEY_BYTES:
+            raise InvalidArgument(field, f"each key must be 1..{MAX_KEY_BYTES} bytes")
     return list(keys)
+
+
+def check_page_size(field: str, value: object) -> int:
+    """A page size in bytes: 4 KiB..64 MiB and a multiple of 4 KiB."""
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not (4096 <= value <= MAX_PAGE_SIZE and value % 4096 == 0)):
+        raise InvalidArgument(field, f"must be 4KiB..64MiB and a multiple of 4KiB, got {value}")
+    return value
+
+
+def check_timeout(field: str, value: object) -> float:
+    """A wait in seconds: a finite number >= 0."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise InvalidArgument(field, f"must be a finite number >= 0, got {value!r}")
+    return float(value)

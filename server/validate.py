@@ -1,35 +1,38 @@
-"""Field checks for incoming requests. Each failure is InvalidArgument naming the field.
+"""Wire-level limits of incoming requests; every field rule is the engine's (``kvtier.validate``).
 
-Checks here are about the shape of a request only (ranges, lengths, presence); whether an id exists
-or may be used is the engine's and tenancy's business.
+What is written here is only about the wire: how many ids, keys, pages or segments one request may
+carry, that a oneof is set and repeated fields pair up, proto3's "0 means unset" defaults, and
+limits on fields the engine never sees (layout, device). Everything else calls the engine's own
+check, so the daemon and the engine accept and refuse the same values with the same texts. Each
+failure is InvalidArgument naming the field; whether an id exists or may be used is the engine's
+and tenancy's business.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvtier.errors import InvalidArgument
-from kvtier.validate import check_name
+from kvtier.validate import (
+    check_ids,
+    check_keys,
+    check_name,
+    check_page_size,
+    check_priority,
+    check_timeout,
+)
 
 MAX_IDS = 1 << 16  # ids, keys or pages in one call
-MAX_KEY_BYTES = 64
-MAX_TENANT_CHARS = 128
 MAX_POOL_SLOTS = 1 << 24
 MAX_SEGMENTS = 4096
 MAX_LAYOUT_CHARS = 4096  # a free-form description, kept in the log only
 
 
 def tenant(name: str, field: str = "tenant") -> str:
-    """The engine's own rule (``kvtier.validate.check_name``): 1..128 characters of ASCII
-    letters, digits and ``._:@/-``, starting with a letter or digit. One rule for every call,
-    so a name the daemon accepts anywhere is one an Attach accepts too."""
-    if not name:
-        raise InvalidArgument(field, "must not be empty")
-    if len(name) > MAX_TENANT_CHARS:
-        raise InvalidArgument(field, f"must be at most {MAX_TENANT_CHARS} characters")
+    """The engine's name rule (``kvtier.validate.check_name``), so a name the daemon accepts
+    anywhere is one an Attach accepts too."""
     return check_name(field, name)
 
 
@@ -46,52 +49,44 @@ def non_negative(value: int, field: str) -> int:
 
 
 def ids(values: Sequence[int], field: str) -> np.ndarray:
-    """The ids of a repeated ``int64`` field as an ``int64`` array: converted in C (~6 us for
-    4,096 ids; a Python pass over them cost ~0.7 ms), and the engine takes arrays as they are."""
+    """The ids of a repeated ``int64`` field as an ``int64`` array: at most ``MAX_IDS`` of them,
+    converted in C (~6 us for 4,096 ids; a Python pass over them cost ~0.7 ms), then the engine's
+    id rule (``check_ids``: positive), which takes the array as it is."""
     count(len(values), f"len({field})")
-    arr = np.array(values, dtype=np.int64)
-    if arr.min() < 0:
-        raise InvalidArgument(field, "ids must be >= 0")
-    return arr
+    return check_ids(field, np.array(values, dtype=np.int64))
 
 
 def priority(value: float, field: str = "priority") -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise InvalidArgument(field, f"must be a finite number > 0, got {value}")
-    return value
+    return check_priority(field, value)
 
 
 def default_priority(value: float, field: str = "default_priority") -> float:
-    return 1.0 if value == 0 else priority(value, field)
+    """proto3 sends an unset priority as 0: the default, 1.0."""
+    return 1.0 if value == 0 else check_priority(field, value)
 
 
 def timeout(value: float, field: str = "timeout_s") -> float | None:
-    if not (math.isfinite(value) and value >= 0):
-        raise InvalidArgument(field, f"must be a finite number >= 0, got {value}")
-    return value or None
+    """proto3 sends an unset timeout as 0: ``None`` (the engine's default wait)."""
+    return check_timeout(field, value) or None
 
 
 def keys(values: Sequence[bytes], field: str = "keys") -> list[bytes]:
     count(len(values), f"len({field})")
-    for k in values:
-        if not 1 <= len(k) <= MAX_KEY_BYTES:
-            raise InvalidArgument(field, f"each key must be 1..{MAX_KEY_BYTES} bytes")
-    return list(values)
+    return check_keys(field, list(values))
 
 
 def keyed_slots(key_list: Sequence[bytes], slots: Sequence[int]) -> tuple[list[bytes], list[int]]:
+    """Keys and their slots, paired one to one (which also bounds ``slots``); the slots' range is
+    the engine's check (``check_slots``), which knows the pool."""
     ks = keys(key_list)
     if len(slots) != len(ks):
         raise InvalidArgument("slots", f"needs one slot per key ({len(ks)}), got {len(slots)}")
-    return ks, ids(slots, "slots").tolist()
+    return ks, list(slots)
 
 
 def page_size(value: int, default: int, field: str = "page_size") -> int:
-    if value == 0:
-        return default
-    if not (4096 <= value <= 64 << 20 and value % 4096 == 0):
-        raise InvalidArgument(field, f"must be 4KiB..64MiB and a multiple of 4KiB, got {value}")
-    return value
+    """proto3 sends an unset page size as 0: the daemon's default."""
+    return default if value == 0 else check_page_size(field, value)
 
 
 def num_slots(num_pages: int, nbytes: int, which: str | None, size: int) -> int:

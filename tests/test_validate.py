@@ -1,4 +1,4 @@
-"""Input checks shared by the engine's entry points: page id lists and arrays."""
+"""The field rules (kvtier.validate) shared by the engine's entry points and the daemon."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from kvtier.errors import InvalidArgument, NotFound
-from kvtier.validate import MAX_IDS, check_ids
+from kvtier.validate import (
+    MAX_IDS,
+    check_ids,
+    check_keys,
+    check_name,
+    check_page_size,
+    check_timeout,
+)
 
 
 def test_ids_become_one_int64_array_and_an_int64_array_is_taken_as_is():
@@ -39,3 +46,46 @@ def test_ids_no_page_can_have_are_not_found():
 def test_too_many_ids_are_refused_before_conversion():
     with pytest.raises(InvalidArgument, match=f"at most {MAX_IDS}"):
         check_ids("page_ids", range(1, MAX_IDS + 2))
+
+
+@pytest.mark.parametrize(("bad", "why"), [
+    ("", "must not be empty"),
+    ("a" * 129, "must be at most 128 characters"),
+    ("-lead", "starting with a letter or digit"),
+    ("sp ace", "letters, digits"),
+    ("caf\u00e9", "letters, digits"),
+    (7, "letters, digits"),
+])
+def test_names_are_refused_with_the_reason(bad, why):
+    with pytest.raises(InvalidArgument, match=f"^pool.tenant: .*{why}"):
+        check_name("pool.tenant", bad)
+
+
+def test_names_at_the_limits_are_taken():
+    assert check_name("tenant", "a" * 128) == "a" * 128
+    assert check_name("tenant", "0._:@/-") == "0._:@/-"
+
+
+def test_keys_are_1_to_64_bytes():
+    assert check_keys("keys", [b"k", b"x" * 64]) == [b"k", b"x" * 64]
+    for bad in ([b""], [b"x" * 65], ["k"]):
+        with pytest.raises(InvalidArgument, match=r"^keys: each key must be 1\.\.64 bytes"):
+            check_keys("keys", bad)
+
+
+@pytest.mark.parametrize("ok", [4096, 8192, 64 << 20])
+def test_page_sizes_taken(ok):
+    assert check_page_size("page_size", ok) == ok
+
+
+@pytest.mark.parametrize("bad", [0, -4096, 1000, 4097, (64 << 20) + 4096, 4096.0, True, "4096"])
+def test_page_sizes_refused(bad):
+    with pytest.raises(InvalidArgument, match=r"^page_size: must be 4KiB\.\.64MiB"):
+        check_page_size("page_size", bad)
+
+
+def test_timeouts():
+    assert check_timeout("timeout_s", 0) == 0.0 and check_timeout("timeout_s", 2.5) == 2.5
+    for bad in (-1.0, -1e-9, float("nan"), float("inf"), float("-inf"), True, "1"):
+        with pytest.raises(InvalidArgument, match=r"^timeout_s: must be a finite number >= 0"):
+            check_timeout("timeout_s", bad)
