@@ -21,7 +21,7 @@ MAX_IDS = 1 << 20
 MAX_NAME_CHARS = 128
 MAX_KEY_BYTES = 64
 MAX_PAGE_SIZE = 64 << 20
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")  # whole string: fullmatch
 
 
 def check_name(field: str, value: object) -> str:
@@ -31,7 +31,7 @@ def check_name(field: str, value: object) -> str:
         raise InvalidArgument(field, "must not be empty")
     if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
         raise InvalidArgument(field, f"must be at most {MAX_NAME_CHARS} characters")
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise InvalidArgument(
             field,
             "must be 1-128 characters of letters, digits and ._:@/- "

@@ -54,6 +54,7 @@ def test_too_many_ids_are_refused_before_conversion():
     ("-lead", "starting with a letter or digit"),
     ("sp ace", "letters, digits"),
     ("caf\u00e9", "letters, digits"),
+    ("abc\n", "letters, digits"),  # '$' matched before a trailing newline
     (7, "letters, digits"),
 ])
 def test_names_are_refused_with_the_reason(bad, why):
