@@ -370,7 +370,8 @@ class TierEngine:
         if core.remote is not None:  # drains the write-behind queue within what is left
             core.remote.close(max(0.1, deadline - time.monotonic()))
         core.scheduler.close(max(0.1, deadline - time.monotonic()))
-        core.inline_restore.close()
+        for inline in core.inline_restores.values():
+            inline.close()
         with core.cond:
             for pool in list(core.pools.values()):
                 pool.dev.close()
