@@ -14,8 +14,9 @@ Contract:
       an eighth of ``batch_bytes`` and 512 pages, so a drain of many small pages ends on small
       batches and the last completion after the last copy is short), and launches the next
       batches before waiting on the oldest (up to its handlers' ``depth`` in flight: three on
-      CUDA, two on disk and CPU mode). Bytes in flight across lanes never exceed
-      ``max_inflight_bytes`` (a batch waits for room).
+      CUDA, two on disk and CPU mode). Bytes in flight across one GPU's lanes (the default
+      GPU's with the disk lane) never exceed ``max_inflight_bytes`` (a batch waits for room):
+      one GPU's backlog never takes another GPU's room.
     * Several GPUs: ``gpus`` gives each further GPU its own handler set (its own copy streams
       and staging) and its own up and down lanes (``up@cuda:1``, ``down@cuda:1``); a GPU<->CPU
       batch goes to the lanes of its pool's device (``device_of``), so one GPU's offload
@@ -96,6 +97,7 @@ class _Lane:
         self.name = name
         self.handlers = dict(handlers or {})  # the directions this lane launches
         self.device = device  # its GPU (None: the disk lane, shared by every GPU)
+        self.group = device or ""  # whose in-flight bound it counts against
         self.queues: tuple[deque[Moves], ...] = (deque(), deque(), deque(), deque())
         self.thread: threading.Thread | None = None
         # The lane sleeps on its own condition (the scheduler's lock): a submit wakes the lanes
@@ -185,10 +187,11 @@ class TransferScheduler:
         self._add_lanes(device, "", handlers)
         disk = {d: h for d, h in handlers.items() if _LANE_OF[d] == "disk"}
         self._lanes["disk"] = _Lane("disk", self._lock, disk, None)
+        self._lanes["disk"].group = device  # the disk lane shares the default GPU's bound
         for gpu, more in (gpus or {}).items():
             if gpu != device:
                 self._add_lanes(gpu, f"@{gpu}", more)
-        self._inflight = 0
+        self._inflight = {lane.group: 0 for lane in self._lanes.values()}  # bytes, per GPU
         self._closed = False
         self._last_end: dict[tuple[str, Direction], float] = {}
         self._restoring: dict[str | None, int] = {}  # callers inside ``restore_first``, per GPU
@@ -281,7 +284,7 @@ class TransferScheduler:
 
     @property
     def inflight_bytes(self) -> int:
-        return self._inflight
+        return sum(self._inflight.values())
 
     # -- lanes ------------------------------------------------------------------------------------
     def _loop(self, lane: _Lane) -> None:
@@ -304,7 +307,7 @@ class TransferScheduler:
                 depth = 1 if slow else lane.depth
                 if more and len(pending) < depth:
                     batch = lane.take(self._batch_bytes, TAIL_PAGES)
-                    self._inflight += batch.nbytes
+                    self._inflight[lane.group] += batch.nbytes
             if batch is not None:
                 pending.append(self._launch(lane, batch))
                 if len(pending) < depth:
@@ -322,7 +325,8 @@ class TransferScheduler:
     def _ready(self, lane: _Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
         want = lane.peek_bytes(self._batch_bytes)
-        return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
+        used = self._inflight[lane.group]
+        return want > 0 and (not used or used + want <= self._max_inflight)
 
     def _launch(self, lane: _Lane, batch: Moves) -> _Pending:
         handler = lane.handlers[batch.direction]
@@ -371,7 +375,7 @@ class TransferScheduler:
                 log.exception("completing a %s batch failed", pending.direction.name)
             done.popleft()
             with self._lock:
-                self._inflight -= pending.nbytes
+                self._inflight[lane.group] -= pending.nbytes
                 for other in self._lanes.values():  # room in flight: only for queued work
                     if other is not lane and other.has_work():
                         other.cond.notify()
