@@ -180,7 +180,7 @@ def latency(devs: list[str], backlog: int, samples: int) -> dict[str, Any]:
     engine = TierEngine(OffloadConfig(
         device=",".join(devs), page_size=page,
         gpu_memory_gb=(2 * backlog + nreq * page) / GIB + 0.01,
-        cpu_memory_gb=(backlog + nreq * page + 64 * MIB) / GIB, pinned_chunk_mb=256,
+        cpu_memory_gb=(backlog + nreq * page + 256 * MIB) / GIB, pinned_chunk_mb=256,
         batch_mb=64, max_inflight_mb=512, threshold=1.0, low_watermark=0.99, metrics_addr="",
     ))
     try:
