@@ -70,8 +70,9 @@ class OffloadConfig:
     device: str = _opt(
         "auto",
         "DEVICE",
-        "Where the GPU tier lives; 'cpu' uses host shared memory.",
-        "auto|cpu|cuda|cuda:N",
+        "Where the GPU tier lives: 'cuda' is every visible GPU, a comma list names some "
+        "(one pool set, lane pair and copy streams per GPU); 'cpu' uses host shared memory.",
+        "auto|cpu|cuda|cuda:N|cuda:N,cuda:M,...",
     )
     # --- disk tier --------------------------------------------------------------------------
     disk_path: str = _opt(
@@ -222,12 +223,25 @@ class OffloadConfig:
         return self.batch_mb * MIB
 
     def resolved_device(self) -> str:
-        """``auto`` becomes ``cuda:0`` when torch sees a GPU, else ``cpu``."""
-        if self.device != "auto":
-            return "cuda:0" if self.device == "cuda" else self.device
+        """The first (default) device: ``auto`` becomes ``cuda:0`` when torch sees a GPU, else
+        ``cpu``; ``cuda`` and lists give their first GPU."""
+        return self.resolved_devices()[0]
+
+    def resolved_devices(self) -> tuple[str, ...]:
+        """Every device the daemon serves, the default first: ``cuda`` is every GPU torch sees
+        (``cuda:0`` when it sees none: the preflight reports that), a list is kept in its
+        order; ``cpu`` and ``auto`` are one device."""
+        if self.device == "cpu":
+            return ("cpu",)
+        if self.device not in ("auto", "cuda"):
+            return tuple(self.device.split(","))
         import torch
 
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
+        if self.device == "auto" and not torch.cuda.is_available():
+            return ("cpu",)
+        if self.device == "auto":
+            return ("cuda:0",)
+        return tuple(f"cuda:{i}" for i in range(max(1, torch.cuda.device_count())))
 
     def read_token(self) -> str:
         """The TCP token: the token file's first line if set, else ``token``."""
@@ -284,6 +298,18 @@ def _fail(name: str, value: Any) -> None:
     )
 
 
+def _devices_ok(device: str) -> bool:
+    """``auto``, ``cpu``, ``cuda``, or distinct ``cuda:N`` (comma-separated, at most 64)."""
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    names = device.split(",")
+    return (
+        len(names) <= 64
+        and len(set(names)) == len(names)
+        and all(re.fullmatch(r"cuda:\d{1,3}", n) is not None for n in names)
+    )
+
+
 def _validate(c: OffloadConfig) -> None:
     for f in fields(c):
         value = getattr(c, f.name)
@@ -300,7 +326,7 @@ def _validate(c: OffloadConfig) -> None:
         ("threshold", 0 < c.threshold <= 1),
         ("low_watermark", 0 <= c.low_watermark < c.threshold),
         ("page_size", 4 * KIB <= c.page_size <= 64 * MIB and c.page_size % (4 * KIB) == 0),
-        ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", c.device) is not None),
+        ("device", _devices_ok(c.device)),
         ("disk_gb", c.disk_gb >= 0),
         ("disk_admission", c.disk_admission in ("always", "reused", "never")),
         ("disk_io_threads", 1 <= c.disk_io_threads <= 64),

@@ -54,7 +54,7 @@ from kvtier.stats import EngineCounters
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer import build_handlers, build_inline_restore
-from kvtier.transfer.base import Moves
+from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction, PoolId, Tier
 
 if TYPE_CHECKING:
@@ -72,7 +72,10 @@ class EngineCore:
 
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
-        self.device = torch.device(config.resolved_device())
+        # Every GPU the daemon serves, the default (first) one as ``device``: per GPU its pools,
+        # copy handlers, lanes and inline restore; the CPU and disk tiers are shared.
+        self.devices = tuple(torch.device(d) for d in config.resolved_devices())
+        self.device = self.devices[0]
         lock = threading.RLock()
         self.cond = threading.Condition(lock)
         self.landings = Landings(lock)  # CPU->GPU moves ended; acquires wait for theirs
@@ -103,13 +106,19 @@ class EngineCore:
         self.admission = create_admission(config.disk_admission)
         self.closed = False
         handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
-        self.inline_restore = build_inline_restore(self.device, self.host, INLINE_RESTORE_BYTES)
+        gpus = {str(d): build_handlers(d, self.host, None, config.batch_bytes)
+                for d in self.devices[1:]}
+        self.inline_restores = {
+            str(d): build_inline_restore(d, self.host, INLINE_RESTORE_BYTES) for d in self.devices
+        }
         self.scheduler = TransferScheduler(
             handlers,
             batch_bytes=config.batch_bytes,
             max_inflight_bytes=config.max_inflight_mb * MIB,
             on_complete=self.complete,
             try_complete=functools.partial(self.complete, wait=False),
+            device=str(self.device),
+            gpus=gpus,
         )
         self.cascade = Cascade(self)
         self.bulk = BulkMoves(self)
@@ -136,6 +145,16 @@ class EngineCore:
         if pool is None:
             raise NotFound(f"pool {pool_id} not found")
         return pool
+
+    def inline_restore(self, device: str) -> TransferHandler:
+        """The inline CPU->GPU handler of a pool's ``device`` (the default one's otherwise)."""
+        return self.inline_restores.get(device) or self.inline_restores[str(self.device)]
+
+    def device_of(self, pool_id: PoolId) -> str | None:
+        """A pool's device, read without the lock (None: no such pool; the caller's checks
+        under the lock report it)."""
+        pool = self.pools.get(pool_id)
+        return pool.dev.device if pool is not None else None
 
     def check_open(self) -> None:
         if self.closed:

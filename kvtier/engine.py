@@ -66,7 +66,24 @@ class TierEngine:
 
     @property
     def device(self) -> torch.device:
+        """The default device (the first of ``devices``)."""
         return self._core.device
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device this engine serves pools on, the default first."""
+        return tuple(str(d) for d in self._core.devices)
+
+    def _device_named(self, device: str | None) -> str:
+        """``device`` if this engine serves it (None or empty: the default), else
+        ``InvalidArgument`` naming the field."""
+        served = self.devices
+        if not device:
+            return served[0]
+        if device not in served:
+            listed = ", ".join(served)
+            raise InvalidArgument("device", f"this daemon serves {listed}, got {device!r}")
+        return device
 
     # -- pools -------------------------------------------------------------------------------
     def attach(
@@ -76,10 +93,13 @@ class TierEngine:
         page_size: int | None = None,
         *,
         default_priority: float = 1.0,
+        device: str | None = None,
     ) -> Pool:
-        """A daemon-allocated GPU pool; ``None`` budget shortfall raises nothing but returns."""
+        """A daemon-allocated GPU pool on ``device`` (one of ``devices``; None: the default);
+        ``None`` budget shortfall raises nothing but returns."""
         check_name("tenant", tenant)
         check_priority("default_priority", default_priority)
+        where = self._device_named(device)
         size = self.config.page_size if page_size is None else page_size
         if not isinstance(size, int) or size < 4096 or size % 4096 or size > 64 * 1024 * 1024:
             raise InvalidArgument(
@@ -90,16 +110,22 @@ class TierEngine:
         with self._core.cond:
             self._core_open()
             admit_pool(self._core, tenant, num_slots * size, external=False)
-            dev = DevicePool.allocate(num_slots, size, str(self._core.device))
+            dev = DevicePool.allocate(num_slots, size, where)
             return self._add_pool(tenant, dev, default_priority, external=False)
 
     def register(
         self, tenant: str, segments: list[torch.Tensor], *, default_priority: float = 1.0
     ) -> Pool:
-        """Engine-owned memory (e.g. vLLM's KV tensors): the engine manages its slots."""
+        """Engine-owned memory (e.g. vLLM's KV tensors, on one of ``devices``): the engine
+        manages its slots."""
         check_name("tenant", tenant)
         check_priority("default_priority", default_priority)
         dev = DevicePool.from_segments(list(segments))
+        if dev.device not in self.devices:
+            dev.close()
+            raise InvalidArgument(
+                "segments", f"on {dev.device}; this daemon serves {', '.join(self.devices)}"
+            )
         with self._core.cond:
             self._core_open()
             try:
@@ -370,7 +396,8 @@ class TierEngine:
         if core.remote is not None:  # drains the write-behind queue within what is left
             core.remote.close(max(0.1, deadline - time.monotonic()))
         core.scheduler.close(max(0.1, deadline - time.monotonic()))
-        core.inline_restore.close()
+        for inline in core.inline_restores.values():
+            inline.close()
         with core.cond:
             for pool in list(core.pools.values()):
                 pool.dev.close()

@@ -1,6 +1,7 @@
 """Readiness events: when the engine's user last released pages on the GPU.
 
-Contract: ``record()`` records a CUDA event on the current stream and returns its serial (0 in
+Contract: ``record(device)`` records a CUDA event on ``device``'s current stream (the default
+device's when None: a pool's pages are last used on its own GPU) and returns its serial (0 in
 CPU mode, where there is nothing to wait for); pages keep the serial of their last release in the
 page table. ``events(serials)`` returns the distinct events a batch of those pages must wait for
 before its copies read them. Completed events may be forgotten (a serial with no event needs no
@@ -24,11 +25,11 @@ class ReadyEvents:
         self._serial = 0
         self._events: dict[int, Any] = {}
 
-    def record(self) -> int:
+    def record(self, device: str | torch.device | None = None) -> int:
         if not self._cuda:
             return 0
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._device))
+        event.record(torch.cuda.current_stream(self._device if device is None else device))
         self._serial += 1
         self._events[self._serial] = event
         if len(self._events) > _PRUNE_AT:

@@ -104,7 +104,7 @@ class Residency:
         start = time.monotonic()
         deadline = start + (core.config.restore_timeout_s if timeout is None else timeout)
         ids = check_ids("page_ids", page_ids)
-        with core.scheduler.restore_first(), core.cond:
+        with core.scheduler.restore_first(core.device_of(pool_id)), core.cond:
             core.check_open()
             pool = core.pool_of(pool_id)
             rows = core.table.rows(pool_id, ids)
@@ -200,7 +200,7 @@ class Residency:
     def _unpin(self, pool: Pool, rows: np.ndarray) -> None:
         core = self._core
         core.unpin(pool, rows)
-        core.table.ready[rows] = core.ready.record()
+        core.table.ready[rows] = core.ready.record(pool.dev.device)
 
 
 def make_room(core: EngineCore, pool: Pool, n: int) -> None:

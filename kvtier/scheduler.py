@@ -14,9 +14,17 @@ Contract:
       an eighth of ``batch_bytes`` and 512 pages, so a drain of many small pages ends on small
       batches and the last completion after the last copy is short), and launches the next
       batches before waiting on the oldest (up to its handlers' ``depth`` in flight: three on
-      CUDA, two on disk and CPU mode). Bytes in flight across lanes never exceed
-      ``max_inflight_bytes`` (a batch waits for room).
-    * ``restore_first()``: while any caller is inside it (an acquire), a lane whose next batch
+      CUDA, two on disk and CPU mode). Bytes in flight across one GPU's lanes (the default
+      GPU's with the disk lane) never exceed ``max_inflight_bytes`` (a batch waits for room):
+      one GPU's backlog never takes another GPU's room.
+    * Several GPUs: ``gpus`` gives each further GPU its own handler set (its own copy streams
+      and staging) and its own up and down lanes (``up@cuda:1``, ``down@cuda:1``); a GPU<->CPU
+      batch goes to the lanes of its pool's device (``device_of``), so one GPU's offload
+      backlog never queues ahead of another GPU's restore. The disk lane and the in-flight
+      bound stay shared (one CPU/disk budget); a batch of a device with no lanes of its own
+      goes to the default lanes.
+    * ``restore_first(device)``: while any caller is inside it (an acquire), a lane of that
+      device (every GPU lane when ``device`` is None; the disk lane for any) whose next batch
       is a plain (not urgent) offload keeps one batch in flight instead of its depth: the copy
       engine stays busy, the launch work waits, the restore's thread gets the interpreter.
     * ``cancel(batch, rows)`` takes the columns of page-table ``rows`` out of a still-queued batch
@@ -66,6 +74,11 @@ class _Pending:
         self.direction = batch.direction
 
 
+def _pool_device(batch: Moves) -> str | None:
+    """A batch's GPU: its pool's device (None for disk batches)."""
+    return batch.pool.device if batch.pool is not None else None
+
+
 def _failed(n: int) -> Callable[[], list[bool]]:
     return lambda: [False] * n
 
@@ -74,15 +87,25 @@ class _Lane:
     """Four FIFO queues of batches, served in order: urgent restores, restores, urgent offloads,
     offloads."""
 
-    def __init__(self, name: str, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        lock: threading.Lock | None = None,
+        handlers: Mapping[Direction, TransferHandler] | None = None,
+        device: str | None = None,
+    ) -> None:
         self.name = name
+        self.handlers = dict(handlers or {})  # the directions this lane launches
+        self.device = device  # its GPU (None: the disk lane, shared by every GPU)
+        self.group = device or ""  # whose in-flight bound it counts against
         self.queues: tuple[deque[Moves], ...] = (deque(), deque(), deque(), deque())
         self.thread: threading.Thread | None = None
         # The lane sleeps on its own condition (the scheduler's lock): a submit wakes the lanes
         # it queued to, a completion the lanes with queued work (waiting for in-flight room);
         # an idle lane is never woken for another lane's batches.
         self.cond = threading.Condition(lock)
-        self.depth = 2  # batches in flight: the least its handlers allow
+        # Batches in flight: the least its handlers allow.
+        self.depth = max(1, min((h.depth for h in self.handlers.values()), default=2))
 
     def queue_for(self, batch: Moves) -> deque[Moves]:
         return self.queues[(0 if batch.urgent else 1) + (0 if batch.direction.is_restore else 2)]
@@ -146,27 +169,57 @@ class TransferScheduler:
         max_inflight_bytes: int,
         on_complete: CompleteFn,
         try_complete: TryCompleteFn | None = None,
+        device: str = "",
+        gpus: Mapping[str, Mapping[Direction, TransferHandler]] | None = None,
+        device_of: Callable[[Moves], str | None] = _pool_device,
     ) -> None:
-        self._handlers = dict(handlers)
+        """``handlers``: the default device's (``device``) and the disk's; ``gpus``: each
+        further GPU's GPU<->CPU handlers; ``device_of``: a batch's GPU (its pool's device)."""
+        self._handlers = dict(handlers)  # the default GPU's and the disk's
         self._try_complete = try_complete
         self._batch_bytes = batch_bytes
         self._max_inflight = max(max_inflight_bytes, batch_bytes)
         self._on_complete = on_complete
+        self._device_of = device_of
+        self._default = device
         self._lock = threading.Lock()
-        self._lanes = {n: _Lane(n, self._lock) for n in ("up", "down", "disk")}
-        self._inflight = 0
+        self._lanes: dict[str, _Lane] = {}
+        self._add_lanes(device, "", handlers)
+        disk = {d: h for d, h in handlers.items() if _LANE_OF[d] == "disk"}
+        self._lanes["disk"] = _Lane("disk", self._lock, disk, None)
+        self._lanes["disk"].group = device  # the disk lane shares the default GPU's bound
+        for gpu, more in (gpus or {}).items():
+            if gpu != device:
+                self._add_lanes(gpu, f"@{gpu}", more)
+        self._inflight = {lane.group: 0 for lane in self._lanes.values()}  # bytes, per GPU
         self._closed = False
-        self._last_end: dict[Direction, float] = {}
-        self._restoring = 0  # callers inside ``restore_first``
+        self._last_end: dict[tuple[str, Direction], float] = {}
+        self._restoring: dict[str | None, int] = {}  # callers inside ``restore_first``, per GPU
         self._restoring_lock = threading.Lock()
-        for name, lane in self._lanes.items():
-            mine = [h.depth for d, h in self._handlers.items() if _LANE_OF[d] == name]
-            lane.depth = max(1, min(mine, default=2))
         for lane in self._lanes.values():
             lane.thread = threading.Thread(
                 target=self._loop, args=(lane,), name=f"kvtier-{lane.name}", daemon=True
             )
             lane.thread.start()
+
+    def _add_lanes(
+        self, device: str, suffix: str, handlers: Mapping[Direction, TransferHandler]
+    ) -> None:
+        for kind in ("up", "down"):
+            mine = {d: h for d, h in handlers.items() if _LANE_OF[d] == kind}
+            self._lanes[kind + suffix] = _Lane(kind + suffix, self._lock, mine, device)
+
+    def _lane_of(self, batch: Moves) -> _Lane:
+        """The lane serving ``batch``: its device's up or down lane, or the shared disk lane."""
+        kind = _LANE_OF[batch.direction]
+        if kind == "disk":
+            return self._lanes["disk"]
+        return self._lanes.get(f"{kind}@{self._device_of(batch)}") or self._lanes[kind]
+
+    @property
+    def lanes(self) -> list[str]:
+        """The lanes' names (``up``, ``down``, ``disk``, then ``up@cuda:1``, ...)."""
+        return list(self._lanes)
 
     # -- queueing ---------------------------------------------------------------------------------
     def submit(self, batches: list[Moves]) -> None:
@@ -175,12 +228,12 @@ class TransferScheduler:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
             for batch in batches:  # all checked first: a refused submit queues nothing
-                if batch.direction not in self._handlers:
+                if batch.direction not in self._lane_of(batch).handlers:
                     raise Unavailable(f"no handler for {batch.direction.name}")
             fed = set()
             for batch in batches:
                 if len(batch.srcs):
-                    lane = self._lanes[_LANE_OF[batch.direction]]
+                    lane = self._lane_of(batch)
                     lane.queue_for(batch).append(batch)
                     fed.add(lane.name)
             for name in fed:
@@ -190,7 +243,7 @@ class TransferScheduler:
         """The columns of page-table ``rows`` taken out of ``batch`` while it is still queued,
         as ``(rows, srcs, dsts)``; empty for a batch already taken (its copies may be running)."""
         with self._lock:
-            queue = self._lanes[_LANE_OF[batch.direction]].queue_for(batch)
+            queue = self._lane_of(batch).queue_for(batch)
             if not any(b is batch for b in queue):
                 return _NONE, _NONE, _NONE
             cols = batch.remove(rows)
@@ -199,18 +252,28 @@ class TransferScheduler:
             return cols
 
     @contextlib.contextmanager
-    def restore_first(self) -> Iterator[None]:
+    def restore_first(self, device: str | None = None) -> Iterator[None]:
         """Restores first on the interpreter too: while any caller is inside this block (an
-        acquire), a lane launches plain offloads one batch at a time (their copies keep
-        running; the launch work between them waits), so the restore's own steps seldom
-        queue behind an offload launch for the interpreter lock."""
+        acquire on ``device``; None: any GPU), that device's lanes and the disk lane launch
+        plain offloads one batch at a time (their copies keep running; the launch work between
+        them waits), so the restore's own steps seldom queue behind an offload launch for the
+        interpreter lock. Another GPU's lanes keep their depth."""
+        if device is not None and f"up@{device}" not in self._lanes:
+            device = self._default  # a device with no lanes of its own uses the default ones
         with self._restoring_lock:
-            self._restoring += 1
+            self._restoring[device] = self._restoring.get(device, 0) + 1
         try:
             yield
         finally:
             with self._restoring_lock:
-                self._restoring -= 1
+                self._restoring[device] -= 1
+
+    def _restoring_for(self, lane: _Lane) -> bool:
+        """Whether a restore waits that ``lane`` must give way to."""
+        counts = self._restoring
+        if lane.device is None:
+            return any(counts.values())
+        return bool(counts.get(lane.device) or counts.get(None))
 
     def depth(self) -> tuple[int, int]:
         """(queued restores, queued offloads)."""
@@ -221,7 +284,7 @@ class TransferScheduler:
 
     @property
     def inflight_bytes(self) -> int:
-        return self._inflight
+        return sum(self._inflight.values())
 
     # -- lanes ------------------------------------------------------------------------------------
     def _loop(self, lane: _Lane) -> None:
@@ -240,16 +303,17 @@ class TransferScheduler:
                 if self._closed and not pending and not done:
                     return
                 more = not self._closed and self._ready(lane)
-                depth = 1 if self._restoring and lane.plain_offload_next() else lane.depth
+                slow = lane.plain_offload_next() and self._restoring_for(lane)
+                depth = 1 if slow else lane.depth
                 if more and len(pending) < depth:
                     batch = lane.take(self._batch_bytes, TAIL_PAGES)
-                    self._inflight += batch.nbytes
+                    self._inflight[lane.group] += batch.nbytes
             if batch is not None:
-                pending.append(self._launch(batch))
+                pending.append(self._launch(lane, batch))
                 if len(pending) < depth:
                     continue  # more may be ready: launch before waiting
             if pending:
-                done.append(self._wait(pending.popleft()))
+                done.append(self._wait(lane, pending.popleft()))
                 if not more:  # queued while this lane waited: launch it, not block on a lock
                     with self._lock:
                         more = not self._closed and self._ready(lane)
@@ -261,10 +325,11 @@ class TransferScheduler:
     def _ready(self, lane: _Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
         want = lane.peek_bytes(self._batch_bytes)
-        return want > 0 and (not self._inflight or self._inflight + want <= self._max_inflight)
+        used = self._inflight[lane.group]
+        return want > 0 and (not used or used + want <= self._max_inflight)
 
-    def _launch(self, batch: Moves) -> _Pending:
-        handler = self._handlers[batch.direction]
+    def _launch(self, lane: _Lane, batch: Moves) -> _Pending:
+        handler = lane.handlers[batch.direction]
         start = time.perf_counter()
         try:
             waiter = handler.launch(batch)
@@ -275,7 +340,7 @@ class TransferScheduler:
             waiter = _failed(len(batch))
         return _Pending(batch, waiter, start)
 
-    def _wait(self, pending: _Pending) -> tuple[_Pending, list[bool], float]:
+    def _wait(self, lane: _Lane, pending: _Pending) -> tuple[_Pending, list[bool], float]:
         """Wait for a launched batch's copies: its results and busy seconds."""
         batch = pending.batch
         try:
@@ -286,9 +351,9 @@ class TransferScheduler:
         end = time.perf_counter()
         # Busy time only: a batch launched while its predecessor ran starts counting when that
         # one finished, so per-direction seconds never double-count overlapping batches.
-        direction = pending.direction
-        busy = end - max(pending.start, self._last_end.get(direction, 0.0))
-        self._last_end[direction] = end
+        key = (lane.name, pending.direction)  # per lane: two GPUs' copies overlap
+        busy = end - max(pending.start, self._last_end.get(key, 0.0))
+        self._last_end[key] = end
         return pending, results, busy
 
     def _complete(
@@ -310,7 +375,7 @@ class TransferScheduler:
                 log.exception("completing a %s batch failed", pending.direction.name)
             done.popleft()
             with self._lock:
-                self._inflight -= pending.nbytes
+                self._inflight[lane.group] -= pending.nbytes
                 for other in self._lanes.values():  # room in flight: only for queued work
                     if other is not lane and other.has_work():
                         other.cond.notify()
@@ -331,5 +396,6 @@ class TransferScheduler:
                 lane.thread.join(timeout=grace)
         for batch in leftovers:
             self._on_complete(batch, [False] * len(batch), 0.0)
-        for handler in self._handlers.values():
-            handler.close()
+        for lane in self._lanes.values():
+            for handler in lane.handlers.values():
+                handler.close()

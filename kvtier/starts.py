@@ -156,7 +156,7 @@ class Starts:
         for batch in batches:
             begin = time.perf_counter()
             try:
-                results = self._core.inline_restore.run(batch)
+                results = self._core.inline_restore(pool.dev.device).run(batch)
             except Exception:
                 log.exception("inline restore of %d pages failed", len(batch))
                 results = [False] * len(batch)

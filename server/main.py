@@ -92,7 +92,8 @@ async def _start(config: OffloadConfig, engine: Any, metrics: Any) -> Any:
     server, ports = create_server(config, engine, observe=metrics.observe_rpc, version=version())
     await server.start()
     await server.set_serving()
-    log.info("serving %s on %s (device %s)", version(), ", ".join(ports), config.resolved_device())
+    log.info("serving %s on %s (device %s)", version(), ", ".join(ports),
+             ",".join(config.resolved_devices()))
     sd_notify(f"READY=1\nSTATUS=serving on {', '.join(ports)}")
     return server
 

@@ -76,9 +76,10 @@ def check_device(config: OffloadConfig) -> None:
         built = "with" if torch.version.cuda else "without"
         fail("device", f"{config.device!r} needs a CUDA GPU, and torch {torch.__version__} "
                        f"(built {built} CUDA) sees none; use --device cpu")
-    index, n = int(device.partition(":")[2] or 0), torch.cuda.device_count()
-    if index >= n:
-        fail("device", f"{config.device!r}: torch sees {n} CUDA device(s)")
+    n = torch.cuda.device_count()
+    for name in config.resolved_devices():  # every GPU of a list, not only the first
+        if int(name.partition(":")[2] or 0) >= n:
+            fail("device", f"{config.device!r}: torch sees {n} CUDA device(s)")
 
 
 def check_disk(config: OffloadConfig) -> None:

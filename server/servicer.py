@@ -80,7 +80,6 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         def call() -> pb.AttachReply:
             tenant = validate.tenant(req.tenant)
             validate.layout(req.layout)
-            validate.device(req.device, self._device)
             size = validate.page_size(req.page_size, self._page_size)
             slots = validate.num_slots(req.num_pages, req.bytes, req.WhichOneof("size"), size)
             prio = validate.default_priority(req.default_priority)
@@ -88,7 +87,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 raise FailedPrecondition(
                     "CPU-mode pool memory is handed over the daemon's unix session socket: "
                     "connect over unix://")
-            pool = self._engine.attach(tenant, slots, size, default_priority=prio)
+            pool = self._engine.attach(tenant, slots, size, default_priority=prio,
+                                       device=req.device or None)
             log.info("attached pool %s: tenant=%s slots=%d layout=%r", pool.pool_id, tenant,
                      slots, req.layout[:200])
             reply = convert.attach_reply(pool, self._tenancy.instance)

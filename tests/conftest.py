@@ -46,7 +46,13 @@ def make_engine(tmp_path: Any) -> Iterator[Callable[..., TierEngine]]:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """GPU-only tests are skipped cleanly (with a reason) where torch sees no CUDA device."""
+    """GPU-only tests are skipped cleanly (with a reason) where torch sees no CUDA device, and
+    multi-GPU ones where it sees fewer than two."""
+    if torch.cuda.device_count() < 2:
+        few = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+        for item in items:
+            if item.get_closest_marker("multigpu") is not None:
+                item.add_marker(few)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
