@@ -14,22 +14,7 @@ from typing import Any
 
 from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
-
-# flag -> (config field, argparse type); help text comes from the config field's documentation.
-SERVE_FLAGS: dict[str, tuple[str, Any]] = {
-    "--listen": ("listen", str),
-    "--metrics-addr": ("metrics_addr", str),
-    "--device": ("device", str),
-    "--disk-path": ("disk_path", str),
-    "--disk-gb": ("disk_gb", float),
-    "--remote-url": ("remote_url", str),
-    "--cpu-memory-gb": ("cpu_memory_gb", float),
-    "--gpu-memory-gb": ("gpu_memory_gb", float),
-    "--policy": ("policy", str),
-    "--token-file": ("token_file", str),
-    "--grace": ("grace_s", float),
-    "--log-level": ("log_level", str),
-}
+from kvtier.flags import SERVE_FLAGS, package_version
 
 
 def _add_serve(sub: Any) -> None:
@@ -77,16 +62,6 @@ def _name_flag(message: str, overrides: dict[str, Any]) -> str:
         if overrides[name] is not None and message.startswith(env[name] + "="):
             return f"{flag}: {message}"
     return message
-
-
-def package_version() -> str:
-    """The installed distribution's version (``0.0.0`` when run from a bare checkout)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("kvtier")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from kvtier.cli import package_version as version
 from kvtier.config import OffloadConfig
+from kvtier.flags import package_version as version
 
 from .app import create_server, listen_addresses
 from .notify import sd_notify

@@ -20,11 +20,11 @@ import os
 import socket
 import stat
 import tempfile
-from dataclasses import fields
 from typing import NoReturn
 
 from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
+from kvtier.flags import setting
 
 from .app import socket_dir
 from .credentials import TenantCredentials
@@ -33,15 +33,6 @@ from .pidlock import PidLock, hold
 PSEUDO_FILESYSTEMS = ("/proc", "/sys")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 DISK_LOCK = "kvtier.lock"
-
-
-def setting(name: str) -> str:
-    """``--flag/KVCACHED_OFFLOAD_VAR`` of a config field (the variable alone without a flag)."""
-    from kvtier.cli import SERVE_FLAGS
-
-    env = next(f.metadata["env"] for f in fields(OffloadConfig) if f.name == name)
-    flag = next((fl for fl, (field, _) in SERVE_FLAGS.items() if field == name), None)
-    return f"{flag}/{env}" if flag else env
 
 
 def fail(name: str, problem: str) -> NoReturn:
