@@ -11,9 +11,11 @@ with ``python vllm_runner.py SPEC``.
   -> :class:`Child`; it exits when its stdin closes.
 - :class:`Child` — ``poll``/``wait``/``kill`` of one forked engine, like ``subprocess.Popen``.
 
-Protocol: the client writes one JSON line ``{"spec", "log", "pid", "rc"}`` (paths); the server
-forks, writes the child's pid to ``pid`` and, once it exits, its return code (negative: killed by
-that signal) to ``rc`` (both written to a temporary name, then renamed).
+Protocol: the client writes one JSON line ``{"spec", "log", "pid", "rc"}`` (paths) and ``env``
+(the child's environment: the server's, but for variables such as ``PYTEST_CURRENT_TEST`` that
+vLLM never reads and that change from test to test); the server forks, writes the child's pid to
+``pid`` and, once it exits, its return code (negative: killed by that signal) to ``rc`` (both
+written to a temporary name, then renamed).
 
 ``python vllm_forkserver.py`` runs the server loop.
 """
@@ -39,13 +41,16 @@ def _write(path: Path, text: str) -> None:
     tmp.rename(path)
 
 
-def _child(spec: str, log: str) -> None:
-    """In the forked child: output to ``log``, run the spec, exit as a fresh runner would."""
+def _child(spec: str, log: str, env: dict[str, str]) -> None:
+    """In the forked child: ``env``, output to ``log``, run the spec, exit as a fresh runner
+    would."""
     import random
     import traceback
 
     import vllm_runner
 
+    os.environ.clear()
+    os.environ.update(env)
     random.seed()  # a fresh process draws its own seed; forked children would share one
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -82,7 +87,7 @@ def serve() -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(req["spec"], req["log"])
+            _child(req["spec"], req["log"], req["env"])
         _write(Path(req["pid"]), str(pid))
         _, status = os.waitpid(pid, 0)
         _write(Path(req["rc"]), str(os.waitstatus_to_exitcode(status)))
@@ -122,6 +127,14 @@ class Child:
                 os.kill(int(self.pid_file.read_text()), signal.SIGKILL)
 
 
+VOLATILE = ("PYTEST_CURRENT_TEST",)  # set per test by pytest; no part of an engine's setup
+
+
+def env_key(env: dict[str, str]) -> str:
+    """Engines whose environments have the same key can share one server."""
+    return json.dumps({k: v for k, v in env.items() if k not in VOLATILE}, sort_keys=True)
+
+
 class ForkServer:
     """A server process importing vLLM under ``env``; engines run one at a time."""
 
@@ -132,10 +145,11 @@ class ForkServer:
                                      stdin=subprocess.PIPE, stdout=self._out,
                                      stderr=subprocess.STDOUT)
 
-    def start(self, spec: Path, log: Path) -> Child:
-        """Fork an engine for ``spec`` with its output in ``log``."""
+    def start(self, spec: Path, log: Path, env: dict[str, str]) -> Child:
+        """Fork an engine for ``spec`` under ``env`` with its output in ``log``."""
         pid, rc = log.with_suffix(".pid"), log.with_suffix(".rc")
-        req: dict[str, Any] = {"spec": str(spec), "log": str(log), "pid": str(pid), "rc": str(rc)}
+        req: dict[str, Any] = {"spec": str(spec), "log": str(log), "pid": str(pid), "rc": str(rc),
+                               "env": env}
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()

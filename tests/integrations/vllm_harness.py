@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import start_daemon, stop_daemon
-from vllm_forkserver import Child, ForkServer
+from vllm_forkserver import Child, ForkServer, env_key
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 ENGINE_TIMEOUT = 600
@@ -36,11 +36,11 @@ def _start(spec_file: Path, log: Path, env: dict[str, str]) -> subprocess.Popen[
         with open(log, "wb") as out:
             return subprocess.Popen([sys.executable, str(RUNNER), str(spec_file)], env=env,
                                     stdout=out, stderr=subprocess.STDOUT)
-    key = json.dumps(env, sort_keys=True)
+    key = env_key(env)
     server = _SERVERS.get(key)
     if server is None or server.proc.poll() is not None:
         server = _SERVERS[key] = ForkServer(env, log.with_name(f"forkserver-{len(_SERVERS)}.log"))
-    return server.start(spec_file, log)
+    return server.start(spec_file, log, env)
 
 
 def close_servers() -> None:
