@@ -50,6 +50,15 @@ def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_fork_servers() -> Iterator[None]:
+    """Stop the vLLM fork servers once the session ends (only the vLLM tests start them)."""
+    yield
+    harness = sys.modules.get("vllm_harness")
+    if harness is not None:
+        harness.close_servers()
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[object]:
     """``daemon_factory(**kw) -> address``; every daemon started is stopped at teardown."""

@@ -1,8 +1,9 @@
 """vLLM with the kvtier connector: a second engine loads the shared prefix and decodes the same.
 
-Each engine runs in a fresh process (``vllm_runner.py``) against a real daemon subprocess on the
-CPU device. The reference is the same engine without the connector, with its prefix cache reset
-between prompts. Counts of loaded blocks come from the connector's own stats file.
+Each engine runs in a process of its own (``vllm_harness.run_engine``) against a real daemon
+subprocess on the CPU device. The reference is the same engine without the connector, with its
+prefix cache reset between prompts. Counts of loaded blocks come from the connector's own stats
+file.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,11 @@ import pytest
 pytest.importorskip("vllm")
 
 from tiny_model import TinyShape, build_tiny_llama
+from vllm_harness import run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 32  # the smallest block size vLLM's CPU attention accepts
-RUNNER = Path(__file__).with_name("vllm_runner.py")
 SHAPES = {
     "gqa-2layers": TinyShape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256),
     "mqa-4layers": TinyShape(layers=4, hidden=256, heads=4, kv_heads=1, intermediate=256),
@@ -37,19 +36,6 @@ def prompts() -> dict[str, list[int]]:
     a = [rng.randrange(4, 512) for _ in range(100)]
     return {"A": a, "B": a[:90] + [rng.randrange(4, 512) for _ in range(30)],
             "C": a + [rng.randrange(4, 512) for _ in range(45)]}
-
-
-def run_engine(tmp: Path, name: str, model: Path, phases: list[list[list[int]]],
-               kvtier: dict[str, Any] | None = None) -> list[list[int]]:
-    spec = {"model": str(model), "phases": phases, "max_tokens": 8, "block_size": BLOCK,
-            "out": str(tmp / f"{name}.out.json"), "kvtier": kvtier}
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(RUNNER), str(tmp / f"{name}.json")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    (tmp / f"{name}.log").write_text(proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp / f"{name}.out.json").read_text())["outputs"]
 
 
 def kv_config(address: str, tmp: Path, name: str) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """Driving real vLLM engines (fresh processes) and real daemons for the connector's scenarios.
 
 - :func:`run_engine` — one engine over phases of prompts; ``on_pause={i: fn}`` runs ``fn`` (a
-  daemon restart, a disk corruption) after phase ``i`` while the engine waits.
+  daemon restart, a disk corruption) after phase ``i`` while the engine waits. Each engine is a
+  process of its own, forked from a server that imported vLLM once (``vllm_forkserver.py``);
+  ``KVTIER_VLLM_FRESH=1`` starts ``python vllm_runner.py SPEC`` per engine instead.
+- :func:`close_servers` — stop the fork servers (the session fixture calls it).
 - :func:`reference` — the same prompts on vLLM without the connector, one phase per prompt.
 - :class:`DaemonCtl` — one daemon on a fixed socket (so a running engine reconnects to it) that
   can be stopped (SIGTERM or kill -9) and started again on the same disk folder.
@@ -21,9 +24,29 @@ from pathlib import Path
 from typing import Any
 
 from conftest import start_daemon, stop_daemon
+from vllm_forkserver import Child, ForkServer, env_key
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 ENGINE_TIMEOUT = 600
+_SERVERS: dict[str, ForkServer] = {}  # one per engine environment, for the whole session
+
+
+def _start(spec_file: Path, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes] | Child:
+    if os.environ.get("KVTIER_VLLM_FRESH") == "1":
+        with open(log, "wb") as out:
+            return subprocess.Popen([sys.executable, str(RUNNER), str(spec_file)], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
+    key = env_key(env)
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[key] = ForkServer(env, log.with_name(f"forkserver-{len(_SERVERS)}.log"))
+    return server.start(spec_file, log, env)
+
+
+def close_servers() -> None:
+    """Stop every fork server (each also exits by itself when the test process goes)."""
+    while _SERVERS:
+        _SERVERS.popitem()[1].close()
 
 
 def _env(spec: dict[str, Any]) -> dict[str, str]:
@@ -36,7 +59,7 @@ def _env(spec: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen[bytes] | Child, log: Path) -> None:
     deadline = time.monotonic() + ENGINE_TIMEOUT
     while not path.exists():
         if proc.poll() is not None:
@@ -62,19 +85,17 @@ def run_engine(tmp: Path, name: str, model: Path, phases: list[list[Any]],
         spec.update(sync=str(sync), pause_after=sorted(pauses))
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     log = tmp / f"{name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), str(tmp / f"{name}.json")],
-                                env=_env(spec), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            for i in sorted(pauses):
-                _wait_for(sync / f"paused-{i}", proc, log)
-                pauses[i]()
-                (sync / f"resume-{i}").touch()
-            rc = proc.wait(timeout=ENGINE_TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    proc = _start(tmp / f"{name}.json", log, _env(spec))
+    try:
+        for i in sorted(pauses):
+            _wait_for(sync / f"paused-{i}", proc, log)
+            pauses[i]()
+            (sync / f"resume-{i}").touch()
+        rc = proc.wait(timeout=ENGINE_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
     assert rc == 0, log.read_text()[-4000:]
     return json.loads((tmp / f"{name}.out.json").read_text())["outputs"]
 
