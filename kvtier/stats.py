@@ -15,15 +15,37 @@ if TYPE_CHECKING:
     from kvtier.remote import RemoteStats
 
 
+RATE_WEIGHT = 0.25  # of the newest batch in the moving averages behind ``bytes_per_s``
+
+
 @dataclass(slots=True)
 class DirectionCounters:
-    """Per medium pair: what moved and how long it took."""
+    """Per medium pair: what moved and how long it took.
+
+    ``bytes_per_s``: the recent throughput (a moving average of batches' bytes over one of their
+    busy seconds, newest weighted ``RATE_WEIGHT``); 0 until a batch moved bytes. Cost-aware loads
+    (``kvtier.planner``) read it.
+    """
 
     bytes: int = 0
     pages: int = 0
     batches: int = 0
     seconds: float = 0.0
     failures: int = 0
+    avg_bytes: float = 0.0
+    avg_seconds: float = 0.0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A completed batch moved ``nbytes`` good bytes in ``seconds`` of busy time."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        w = RATE_WEIGHT if self.avg_seconds else 1.0
+        self.avg_bytes += w * (nbytes - self.avg_bytes)
+        self.avg_seconds += w * (seconds - self.avg_seconds)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.avg_bytes / self.avg_seconds if self.avg_seconds else 0.0
 
 
 @dataclass(slots=True)
