@@ -19,6 +19,9 @@ Contract:
       by the model, than recomputing everything (``load == 0`` is always a candidate).
     * ``Plan.choice``: ``"load"`` (every block), ``"split"`` (a leading part), ``"recompute"``
       (none), ``"none"`` (no block was stored).
+    * ``LoadPlanner(block_tokens, block_bytes, prefill, costs)``: ``plan`` with the block shape
+      and the prefill model bound and the costs read from ``costs()`` at every call (live
+      measurements); ``planner(tiers, total_tokens, first)`` -> :class:`Plan`.
     * ``default_costs(cuda)``: the costs used before anything was measured.
       ``measured_costs(rates, cuda)``: those costs with each measured rate put in
       (``rates``: bytes/s per direction, 0 = not measured yet); a disk block crosses two legs
@@ -28,7 +31,7 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import InvalidArgument
@@ -145,6 +148,27 @@ def plan(
             best = (total, k, load_s)
     total, k, loaded = best
     return Plan(k, len(tiers), loaded, total - loaded, recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlanner:
+    """``plan`` with the block shape and prefill model bound; costs read at every call."""
+
+    block_tokens: int
+    block_bytes: int
+    prefill: PrefillModel
+    costs: Callable[[], Mapping[Tier, TierCost]]
+
+    def __call__(self, tiers: Sequence[Tier], total_tokens: int, first: int = 0) -> Plan:
+        return plan(
+            tiers,
+            block_tokens=self.block_tokens,
+            block_bytes=self.block_bytes,
+            total_tokens=total_tokens,
+            costs=self.costs(),
+            prefill=self.prefill,
+            first=first,
+        )
 
 
 def default_costs(cuda: bool) -> dict[Tier, TierCost]:
