@@ -8,8 +8,8 @@ Contract:
     * ``PrefillModel(tokens_per_s, attention_s=0)``: computing the KV of positions ``[a, b)``
       over a cached ``[0, a)`` takes ``(b - a) / tokens_per_s + attention_s * (b*b - a*a) / 2``
       seconds (a linear part and the attention part that grows with the context).
-      ``PrefillModel.fit(samples)`` fits both terms (never negative) to ``(tokens, seconds)``
-      samples of whole prefills.
+      ``PrefillModel.fit(samples)`` fits both terms and a fixed overhead (none negative) to
+      ``(tokens, seconds)`` samples of whole prefills.
     * ``plan(tiers, ...)`` returns a :class:`Plan`: ``load`` leading blocks (``0 <= load <=
       len(tiers)``) that minimise ``load_s + compute_s``, where loading ``k`` blocks costs the
       bytes of each tier among the first ``k`` at that tier's bandwidth plus each such tier's
@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvtier.errors import InvalidArgument
 from kvtier.types import Direction, Tier
@@ -77,23 +79,24 @@ class PrefillModel:
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, float]]) -> PrefillModel:
-        """Least squares of ``seconds = n / rate + attention * n^2 / 2`` over whole prefills of
-        ``n`` tokens (both terms kept >= 0); at least one sample with ``n > 0, seconds > 0``."""
-        pts = [(float(n), float(s)) for n, s in samples if n > 0 and s > 0]
-        if not pts:
+        """Least squares of ``seconds = overhead + n / rate + attention * n^2 / 2`` over whole
+        prefills of ``n`` tokens, every term kept >= 0 (terms are dropped, attention first, until
+        none is negative). The fixed overhead is paid by every plan alike (a prefill always
+        runs), so the model keeps only the rate and the attention term. Needs at least one
+        sample with ``n > 0, seconds > 0``."""
+        pts = np.array([(n, s) for n, s in samples if n > 0 and s > 0], dtype=np.float64)
+        if not len(pts):
             raise InvalidArgument("samples", "need at least one prefill of > 0 tokens and seconds")
-        sxx = sum(n * n for n, _ in pts)
-        sxq = sum(n * n * n / 2 for n, _ in pts)
-        sqq = sum((n * n / 2) ** 2 for n, _ in pts)
-        sxy = sum(n * s for n, s in pts)
-        sqy = sum(n * n / 2 * s for n, s in pts)
-        det = sxx * sqq - sxq * sxq
-        if det > 1e-12 * sxx * sqq:
-            inv_rate = (sxy * sqq - sqy * sxq) / det
-            attention = (sxx * sqy - sxq * sxy) / det
-            if inv_rate > 0 and attention >= 0:
-                return cls(1 / inv_rate, attention)
-        return cls(sxx / sxy)  # linear only: the best rate through the origin
+        n, secs = pts[:, 0], pts[:, 1]
+        terms = {"overhead": np.ones_like(n), "linear": n, "attention": n * n / 2}
+        for drop in ((), ("attention",), ("overhead",), ("overhead", "attention")):
+            names = [k for k in terms if k not in drop]
+            cols = np.stack([terms[k] for k in names], 1)
+            coef, _, rank, _ = np.linalg.lstsq(cols, secs, rcond=None)
+            got = dict(zip(names, coef.tolist(), strict=True))
+            if rank == len(names) and got["linear"] > 0 and all(v >= 0 for v in got.values()):
+                return cls(1 / got["linear"], got.get("attention", 0.0))
+        return cls(float(n.sum() / secs.sum()))  # not reached: the linear-only fit of positive samples is positive
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,9 +129,13 @@ def test_the_plan_is_the_cheapest_prefix_and_never_worse_than_recompute(
 
 def test_prefill_fit_recovers_both_terms_and_falls_back_to_a_rate() -> None:
     truth = PrefillModel(20_000, 2e-9)
-    fitted = PrefillModel.fit((n, truth.seconds(0, n)) for n in (256, 1024, 4096, 8192))
+    lengths = (256, 1024, 4096, 8192)
+    fitted = PrefillModel.fit((n, 0.012 + truth.seconds(0, n)) for n in lengths)  # + overhead
     assert fitted.tokens_per_s == pytest.approx(20_000, rel=1e-6)
     assert fitted.attention_s == pytest.approx(2e-9, rel=1e-6)
+    linear = PrefillModel.fit((n, 0.003 + n / 5000) for n in lengths)
+    assert linear.tokens_per_s == pytest.approx(5000, rel=1e-6)
+    assert linear.attention_s == pytest.approx(0, abs=1e-15)
     flat = PrefillModel.fit([(1000, 0.1), (1000, 0.1)])  # one length: no attention term to see
     assert flat.tokens_per_s == pytest.approx(10_000) and flat.attention_s == 0
     with pytest.raises(InvalidArgument, match="samples"):
