@@ -96,7 +96,8 @@ class PrefillModel:
             got = dict(zip(names, coef.tolist(), strict=True))
             if rank == len(names) and got["linear"] > 0 and all(v >= 0 for v in got.values()):
                 return cls(1 / got["linear"], got.get("attention", 0.0))
-        return cls(float(n.sum() / secs.sum()))  # not reached: the linear-only fit of positive samples is positive
+        # Not reached: the linear-only fit of positive samples is positive.
+        return cls(float(n.sum() / secs.sum()))
 
 
 @dataclass(frozen=True, slots=True)
