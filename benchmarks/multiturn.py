@@ -252,7 +252,8 @@ class KVTier(KVTierEager):
 
         def costs() -> dict[Tier, TierCost]:
             moved = self.engine.stats().counters.moved
-            return measured_costs({d: m.bytes_per_s for d, m in moved.items()}, cuda)
+            rates = {d: m.bytes_per_s for d, m in moved.items()}
+            return measured_costs(rates, cuda, {d: m.latency_s for d, m in moved.items()})
 
         from kvtier.client._backend import round_page
 

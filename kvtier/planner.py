@@ -23,9 +23,9 @@ Contract:
       and the prefill model bound and the costs read from ``costs()`` at every call (live
       measurements); ``planner(tiers, total_tokens, first)`` -> :class:`Plan`.
     * ``default_costs(cuda)``: the costs used before anything was measured.
-      ``measured_costs(rates, cuda)``: those costs with each measured rate put in
-      (``rates``: bytes/s per direction, 0 = not measured yet); a disk block crosses two legs
-      (disk -> CPU, CPU -> GPU), costed as both in turn.
+      ``measured_costs(rates, cuda, latencies)``: those costs with each measured rate (and
+      latency) put in (``rates``: bytes/s per direction, 0 = not measured yet); a disk block
+      crosses two legs (disk -> CPU, CPU -> GPU), costed as both in turn.
 """
 
 from __future__ import annotations
@@ -187,13 +187,22 @@ def default_costs(cuda: bool) -> dict[Tier, TierCost]:
     }
 
 
-def measured_costs(rates: Mapping[Direction, float], cuda: bool) -> dict[Tier, TierCost]:
-    """``default_costs`` with the measured read rates put in (see the module docstring)."""
+def measured_costs(
+    rates: Mapping[Direction, float],
+    cuda: bool,
+    latencies: Mapping[Direction, float] | None = None,
+) -> dict[Tier, TierCost]:
+    """``default_costs`` with the measured rates (and fixed latencies) put in (see the module
+    docstring); a rate of 0 is not measured yet."""
     costs = default_costs(cuda)
-    up = rates.get(Direction.CPU_TO_GPU, 0.0)
-    if up > 0:
-        costs[Tier.CPU] = TierCost(up, costs[Tier.CPU].latency_s)
-    disk = rates.get(Direction.DISK_TO_CPU, 0.0) or costs[Tier.DISK].bytes_per_s
-    host = costs[Tier.CPU].bytes_per_s
-    costs[Tier.DISK] = TierCost(1 / (1 / disk + 1 / host), costs[Tier.DISK].latency_s)
+    lat = latencies or {}
+
+    def leg(d: Direction, default: TierCost) -> TierCost:
+        rate = rates.get(d, 0.0)
+        return TierCost(rate, lat.get(d, 0.0)) if rate > 0 else default
+
+    up = costs[Tier.CPU] = leg(Direction.CPU_TO_GPU, costs[Tier.CPU])
+    disk = leg(Direction.DISK_TO_CPU, costs[Tier.DISK])
+    both = 1 / (1 / disk.bytes_per_s + 1 / up.bytes_per_s)
+    costs[Tier.DISK] = TierCost(both, disk.latency_s + up.latency_s)
     return costs

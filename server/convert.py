@@ -43,6 +43,7 @@ def stats_reply(s: EngineStats, version: str, instance: str) -> pb.StatsReply:
             seconds=m.seconds,
             failures=m.failures,
             bytes_per_s=m.bytes_per_s,
+            latency_s=m.latency_s,
         )
         for d, m in c.moved.items()
     ]

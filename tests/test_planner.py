@@ -194,12 +194,14 @@ def test_bad_values_name_their_field(make, field) -> None:
 
 def test_measured_rates_replace_the_defaults() -> None:
     base = default_costs(cuda=True)
-    got = measured_costs({Direction.CPU_TO_GPU: 40e9, Direction.DISK_TO_CPU: 2e9}, cuda=True)
-    assert got[Tier.CPU].bytes_per_s == 40e9
+    got = measured_costs({Direction.CPU_TO_GPU: 40e9, Direction.DISK_TO_CPU: 2e9}, cuda=True,
+                         latencies={Direction.CPU_TO_GPU: 1e-4, Direction.DISK_TO_CPU: 3e-3})
+    assert got[Tier.CPU] == TierCost(40e9, 1e-4)
     assert got[Tier.DISK].bytes_per_s == pytest.approx(1 / (1 / 2e9 + 1 / 40e9))
-    assert got[Tier.DISK].latency_s == base[Tier.DISK].latency_s
+    assert got[Tier.DISK].latency_s == pytest.approx(3e-3 + 1e-4)  # both legs
     unmeasured = measured_costs({}, cuda=True)
     assert unmeasured[Tier.CPU] == base[Tier.CPU]
+    assert unmeasured[Tier.DISK].latency_s == base[Tier.DISK].latency_s + base[Tier.CPU].latency_s
 
 
 def test_a_real_engine_measures_its_tiers_and_the_plan_loads_exact_bytes(tmp_path: Path) -> None:
