@@ -267,6 +267,8 @@ class KVTier(KVTierEager):
         self.restore_s = time.perf_counter() - start
         plan = self.store.last_plan
         self.choice = plan.choice if plan is not None else ""
+        if plan is not None and self.planner is not None:
+            self.planner.observe(plan, self.restore_s)  # what a load costs beyond the bytes
         if len(prompt) - n <= self.graph_suffix:
             return n, self.prefill.first_token(prompt, n)
         # A long suffix (blocks left to recompute): eager, as recompute runs; capturing a graph

@@ -17,11 +17,15 @@ Contract:
       total_tokens)``. Blocks before ``first`` are already in place (cost nothing). A tier with
       no cost given is never loaded from. Ties go to loading more. So a plan is never slower,
       by the model, than recomputing everything (``load == 0`` is always a candidate).
+      ``overhead_s``: a fixed cost of any load (``k >= 1``) beyond the tiers' own.
     * ``Plan.choice``: ``"load"`` (every block), ``"split"`` (a leading part), ``"recompute"``
       (none), ``"none"`` (no block was stored).
     * ``LoadPlanner(block_tokens, block_bytes, prefill, costs)``: ``plan`` with the block shape
       and the prefill model bound and the costs read from ``costs()`` at every call (live
       measurements); ``planner(tiers, total_tokens, first)`` -> :class:`Plan`.
+      ``observe(plan, seconds)``: a load's measured end-to-end time; what it took beyond the
+      tiers' modelled cost is learnt as ``overhead_s`` (the engine's per-load work: lookups,
+      hand-offs between threads), so small loads stop looking cheaper than they are.
     * ``default_costs(cuda)``: the costs used before anything was measured.
       ``measured_costs(rates, cuda, latencies)``: those costs with each measured rate (and
       latency) put in (``rates``: bytes/s per direction, 0 = not measured yet); a disk block
@@ -100,6 +104,9 @@ class PrefillModel:
         return cls(float(n.sum() / secs.sum()))
 
 
+OVERHEAD_WEIGHT = 0.5  # of the newest observed load in ``LoadPlanner.overhead_s``
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """One decision and the modelled seconds behind it."""
@@ -109,6 +116,7 @@ class Plan:
     load_s: float  # modelled seconds of that load
     compute_s: float  # modelled seconds of the prefill that follows
     recompute_s: float  # modelled seconds of recomputing every block instead
+    overhead_s: float = 0.0  # the fixed cost of a load counted in ``load_s`` (when load > 0)
 
     @property
     def choice(self) -> str:
@@ -126,8 +134,10 @@ def plan(
     costs: Mapping[Tier, TierCost],
     prefill: PrefillModel,
     first: int = 0,
+    overhead_s: float = 0.0,
 ) -> Plan:
     """The cheapest number of leading blocks of ``tiers`` to load (module docstring)."""
+    _check("overhead_s", overhead_s, positive=False)
     if block_tokens <= 0 or block_bytes <= 0:
         raise InvalidArgument("block_tokens", "block_tokens and block_bytes must be > 0")
     if first < 0:
@@ -138,7 +148,7 @@ def plan(
     start = first * block_tokens
     recompute = prefill.seconds(start, total_tokens)
     best = (recompute, 0, 0.0)  # (total seconds, blocks, load seconds)
-    load_s, used = 0.0, set()
+    load_s, used = overhead_s, set()
     for k, tier in enumerate(tiers, 1):
         cost = costs.get(tier)
         if cost is None:
@@ -151,17 +161,26 @@ def plan(
         if total <= best[0]:
             best = (total, k, load_s)
     total, k, loaded = best
-    return Plan(k, len(tiers), loaded, total - loaded, recompute)
+    return Plan(k, len(tiers), loaded, total - loaded, recompute, overhead_s if k else 0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LoadPlanner:
-    """``plan`` with the block shape and prefill model bound; costs read at every call."""
+    """``plan`` with the block shape and prefill model bound; costs read at every call; the
+    fixed overhead of a load learnt from ``observe`` (see the module docstring)."""
 
     block_tokens: int
     block_bytes: int
     prefill: PrefillModel
     costs: Callable[[], Mapping[Tier, TierCost]]
+    overhead_s: float = 0.0
+
+    def observe(self, chosen: Plan, seconds: float) -> None:
+        """A load of ``chosen`` took ``seconds`` end to end: what it took beyond the modelled
+        ``load_s`` joins the overhead (a moving average, newest weighted ``OVERHEAD_WEIGHT``)."""
+        if chosen.load > 0 and math.isfinite(seconds) and seconds >= 0:
+            extra = max(0.0, seconds - (chosen.load_s - chosen.overhead_s))
+            self.overhead_s += OVERHEAD_WEIGHT * (extra - self.overhead_s)
 
     def __call__(self, tiers: Sequence[Tier], total_tokens: int, first: int = 0) -> Plan:
         return plan(
@@ -172,6 +191,7 @@ class LoadPlanner:
             costs=self.costs(),
             prefill=self.prefill,
             first=first,
+            overhead_s=self.overhead_s,
         )
 
 

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from kvtier import OffloadConfig, Tier, TierEngine
 from kvtier.errors import InvalidArgument
-from kvtier.planner import PrefillModel, TierCost, default_costs, measured_costs, plan
+from kvtier.planner import (
+    LoadPlanner,
+    PrefillModel,
+    TierCost,
+    default_costs,
+    measured_costs,
+    plan,
+)
 from kvtier.types import Direction
 
 BT, BB = 16, 1 << 20  # tokens and bytes per block
@@ -190,6 +197,22 @@ def test_bad_values_name_their_field(make, field) -> None:
     with pytest.raises(InvalidArgument) as err:
         make()
     assert err.value.field == field
+
+
+def test_an_observed_overhead_makes_small_loads_recompute() -> None:
+    """A block loads in ~10 us by the tiers' costs but each load took 5 ms more end to end:
+    once observed, recomputing 2 blocks (2 ms) wins."""
+    p = LoadPlanner(BT, BB, PREFILL, lambda: {Tier.CPU: FAST})
+    first = p([Tier.CPU] * 2, 2 * BT + 1)
+    assert first.choice == "load" and p.overhead_s == 0
+    for _ in range(6):
+        p.observe(first, first.load_s + 0.005)
+    assert p.overhead_s == pytest.approx(0.005, rel=0.05)
+    later = p([Tier.CPU] * 2, 2 * BT + 1)
+    assert later.choice == "recompute"
+    p.observe(later, 1.0)  # nothing was loaded: nothing learnt
+    assert p.overhead_s == pytest.approx(0.005, rel=0.05)
+    assert p([Tier.CPU] * 50, 50 * BT + 1).choice == "load"  # large loads still pay off
 
 
 def test_measured_rates_replace_the_defaults() -> None:
