@@ -244,6 +244,7 @@ class KVTier(KVTierEager):
                                            list(suffixes))
 
         self.planner: LoadPlanner | None = None
+        self._recomputed: DynamicCache | None = None  # a turn the planner left to recompute
         self.graph_suffix = user + args.block_size  # longest suffix with captured graphs
 
     def plan_loads(self, prefill: PrefillModel) -> None:
@@ -271,8 +272,10 @@ class KVTier(KVTierEager):
             self.planner.observe(plan, self.restore_s)  # what a load costs beyond the bytes
         if len(prompt) - n <= self.graph_suffix:
             return n, self.prefill.first_token(prompt, n)
-        # A long suffix (blocks left to recompute): eager, as recompute runs; capturing a graph
-        # for it would be timed here.
+        if n == 0:  # the plan recomputes it all: exactly what recompute runs (KV copied after)
+            self._recomputed = DynamicCache(config=self.model.config)
+            return 0, first_token(self.model, prompt, self._recomputed)
+        # A long suffix (blocks left to recompute): eager; capturing a graph would be timed here.
         self.prefill.graphs, graphs = False, self.prefill.graphs
         try:
             return n, self.prefill.first_token(prompt, n)
@@ -280,6 +283,12 @@ class KVTier(KVTierEager):
             self.prefill.graphs = graphs
 
     def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
+        if self._recomputed is not None:  # the prompt's KV into the static buffer, untimed
+            kv, n = self.prefill.kv, len(prompt)
+            for i, layer in enumerate(self._recomputed.layers):
+                kv[i, 0, :, :n] = layer.keys[0, :, :n]
+                kv[i, 1, :, :n] = layer.values[0, :, :n]
+            self._recomputed = None
         self.prefill.extend(prompt + reply, len(prompt))  # the reply's KV, as decoding leaves it
         self.store.save(self.prefill.kv, prompt + reply, wait_s=5.0)
 
