@@ -1,6 +1,7 @@
 """The disk tier: one preallocated slot file per page size, checksummed pages, a persisted index.
 
-Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io, io_threads)``.
+Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io, io_threads,
+*, extent_bytes, part_bytes)``.
     * ``pages-<page_size>.dat`` grows lazily in extents (``posix_fallocate``, else ``ftruncate``);
       the files together never exceed ``budget_bytes``. Files never shrink, so bytes given to one
       page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full.
