@@ -339,13 +339,13 @@ def planned(mode: KVTier, prefill: PrefillModel | None) -> KVTier:
 def measure_prefill(model: LlamaForCausalLM, args: argparse.Namespace,
                     device: torch.device) -> PrefillModel:
     """The model's prefill cost, fitted to whole eager prefills of a quarter, half and all of
-    the longest context (best of 3 each): what recomputing a prefix costs."""
+    the longest context (best of 5 each): what recomputing a prefix costs."""
     g = torch.Generator().manual_seed(args.seed + 1)
     samples = []
     for n in (args.max_context // 4, args.max_context // 2, args.max_context - 1):
         ids = torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist()
         best = float("inf")
-        for _ in range(3):
+        for _ in range(5):
             sync(device)
             start = time.perf_counter()
             first_token(model, ids, DynamicCache(config=model.config))
