@@ -25,7 +25,7 @@ import numpy as np
 
 from kvtier.batches import Frees
 from kvtier.events import Event
-from kvtier.pagetable import S_DOWN, S_UP, by_value
+from kvtier.pagetable import by_value
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 
@@ -88,8 +88,7 @@ class BulkMoves:
                 core.ledger.incoming[direction.dst] += core.ledger.per_owner(t.owner[group], size)
             number = next(self._numbers)
             self._batches[number] = batch
-            t.move[group] = number
-            t.state[group] = S_UP if direction.is_restore else S_DOWN
+            t.mark_moving(group, direction.is_restore, number)
             out.append(batch)
         return out
 
@@ -141,7 +140,6 @@ class BulkMoves:
         ``corrupt``: a failed disk read means bad bytes (drop), not a cancelled one."""
         core, t = self._core, self._core.table
         src, dst = direction._value_
-        t.move[rows] = 0
         size = int(t.size[rows[0]])
         if dst is not Tier.GPU:  # reserved at ``prepare``: settled below, or given back
             core.ledger.incoming[dst] -= core.ledger.per_owner(t.owner[rows], size)

@@ -34,14 +34,7 @@ from kvtier.config import MIB, OffloadConfig
 from kvtier.errors import NotFound, Unavailable
 from kvtier.events import Event, EventHub
 from kvtier.landings import Landings
-from kvtier.pagetable import (
-    S_DISK,
-    S_DROPPED,
-    S_GPU,
-    STATE_OF_TIER,
-    PageTable,
-    by_value,
-)
+from kvtier.pagetable import PageTable, by_value
 from kvtier.policy.admission import create_admission
 from kvtier.policy.base import NO_META, RowMeta, RowPolicy
 from kvtier.policy.registry import create_row_policy
@@ -133,10 +126,8 @@ class EngineCore:
         for page_size, slot, record in self.disk.records():
             if t.keyed(record.key) is not None:
                 continue
-            rows = t.new_rows(1)
-            t.size[rows], t.prio[rows], t.length[rows] = page_size, 1.0, 1
+            rows = t.add(1, pool=0, size=page_size, owner=self.ledger.owner(record.tenant))
             t.add_key(int(rows[0]), record.key, record.tenant)
-            t.owner[rows] = self.ledger.owner(record.tenant)
             self.settle(rows, Tier.DISK, np.array([slot], dtype=np.int64), None)
 
     def pool_of(self, pool_id: PoolId) -> Pool:
@@ -197,7 +188,7 @@ class EngineCore:
     def settle(self, rows: np.ndarray, tier: Tier, slots: np.ndarray, pool: Pool | None) -> None:
         """Make ``tier``/``slots`` the pages' home and let the tier's policy track them."""
         t = self.table
-        t.state[rows], t.tier[rows], t.slot[rows] = STATE_OF_TIER[tier], tier, slots
+        t.settle(rows, tier, slots)
         if tier is Tier.GPU:
             assert pool is not None
             pool.slot_rows[slots] = rows
@@ -232,8 +223,7 @@ class EngineCore:
     def release(self, rows: np.ndarray) -> None:
         """Forget settled or dropped pages (never moving ones) and free their slots."""
         t = self.table
-        states = t.state[rows]
-        settled = rows[(states >= S_GPU) & (states <= S_DISK)]
+        settled = rows[t.settled(rows)]
         for tier, pool, size, part in self.groups(settled):
             self.unsettle(part, tier, pool, size)
             self.free_slots(tier, size, t.slot[part], pool)
@@ -252,7 +242,7 @@ class EngineCore:
         for tier, pool, size, part in self.groups(rows):
             self.unsettle(part, tier, pool, size)
             self.free_slots(tier, size, t.slot[part], pool)
-        t.state[rows], t.slot[rows] = S_DROPPED, -1
+        t.mark_dropped(rows)
         self.counters.drop(reason, len(rows))
         self.ledger.drop(reason, t.owner[rows])
         if self.events.active:
@@ -262,43 +252,29 @@ class EngineCore:
 
     # -- pins --------------------------------------------------------------------------------
     def pin(self, pool: Pool, rows: np.ndarray, times: np.ndarray | int = 1) -> None:
-        pins = self.table.pins
-        pool.pinned += int(np.count_nonzero(pins[rows] == 0))
-        pins[rows] += times
+        pool.pinned += self.table.pin(rows, times)
 
     def unpin(self, pool: Pool, rows: np.ndarray) -> None:
-        pins = self.table.pins
-        pins[rows] -= 1
-        pool.pinned -= int(np.count_nonzero(pins[rows] == 0))
+        pool.pinned -= self.table.unpin(rows)
 
     def land(self, pool: Pool, rows: np.ndarray) -> None:
         """Pages that just reached the GPU (``settle`` has just put them in the pool's policy):
         each waiting acquire's pin is taken at once, before anything can evict them, and its
         access counted (a hit each, one policy touch), here on the lane rather than in the
         acquire's tail after its last page landed."""
-        t = self.table
-        waiting = t.waiting[rows]
-        if not waiting.all():  # counts are >= 0: all() is "every page is waited for"
-            some = np.flatnonzero(waiting)
-            if not len(some):
-                return
-            rows, waiting = rows[some], waiting[some]
-        # A page off the GPU carries no pins (only resident pages are pinned; a pinned page
-        # never moves), so the waits simply become its pins.
-        t.pins[rows] = waiting
+        rows = self.table.land(rows)
+        if not len(rows):
+            return
         pool.pinned += len(rows)
-        t.waiting[rows] = 0
-        t.hits[rows] += waiting
         if pool.policy.touch_after_insert:  # ``settle`` inserted them just now
             pool.policy.touch(rows)
 
     def protect(self, rows: np.ndarray) -> None:
-        self.table.protect[rows] += 1
+        self.table.guard(rows)
 
     def unprotect(self, rows: np.ndarray) -> None:
         """Distinct rows; a row removed meanwhile has ``protect`` 0 and stays so."""
-        protect = self.table.protect
-        protect[rows] = np.maximum(protect[rows] - 1, 0)
+        self.table.unguard(rows)
 
     # -- complete --------------------------------------------------------------------------------
     def complete(

@@ -23,7 +23,6 @@ from kvtier.core import EngineCore
 from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
 from kvtier.events import Event, EventSubscription
 from kvtier.keyed_flush import flush_keyed
-from kvtier.pagetable import S_CPU, S_DISK, S_DOWN, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.prefix import PrefixStore
 from kvtier.remote import open_remote
@@ -224,13 +223,10 @@ class TierEngine:
         """Free pages: settled ones at once, moving ones by cancelling their move or, once it is
         under way, when it completes (``doomed``)."""
         core, t = self._core, self._core.table
-        states = t.state[rows]
-        moving = (states == S_DOWN) | (states == S_UP)
-        going = rows[moving]
+        going = rows[t.moving(rows)]
         if len(going):
             core.cancel(going)
-            states = t.state[going]
-            t.doomed[going[(states == S_DOWN) | (states == S_UP)]] = True  # under way: at its end
+            t.doom(going[t.moving(going)])  # under way: at its end
         rows = rows[~t.doomed[rows]]
         ids, pools = t.ids(rows).tolist(), t.pool[rows].tolist()
         core.release(rows)
@@ -268,9 +264,8 @@ class TierEngine:
             self._core_open()
             pool = self._pool(pool_id)
             rows = core.table.unique(core.table.rows(pool_id, ids))
-            states = core.table.state[rows]
-            on_cpu = rows[states == S_CPU][: pool.dev.num_free]
-            on_disk = rows[states == S_DISK]
+            on_cpu = rows[core.table.at(rows, Tier.CPU)][: pool.dev.num_free]
+            on_disk = rows[core.table.at(rows, Tier.DISK)]
             starts = core.starts
             return starts.restore_cpu(pool, on_cpu, urgent=False) + starts.restore_disk(on_disk)
 
@@ -283,9 +278,8 @@ class TierEngine:
         with core.cond:
             self._pool(pool_id)
             rows = core.table.unique(core.table.rows(pool_id, ids))
-            core.table.prio[rows] = priority
-            states = core.table.state[rows]
-            tracked = rows[(states >= S_GPU) & (states <= S_DISK)]
+            core.table.set_priority(rows, priority)
+            tracked = rows[core.table.settled(rows)]
             for tier, pool, size, part in core.groups(tracked):
                 core.policy_of(tier, pool, size).update(part, core.meta(part))
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.batches import growing_chunks
-from kvtier.pagetable import S_GPU, by_value
+from kvtier.pagetable import by_value
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction
+from kvtier.types import Direction, Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
@@ -104,7 +104,7 @@ class Starts:
         t = self._core.table
         if not len(rows) or not self._core.config.enabled:
             return 0
-        todo = rows[(t.state[rows] == S_GPU) & (t.pins[rows] == 0)]
+        todo = rows[t.at(rows, Tier.GPU) & (t.pins[rows] == 0)]
         queued = 0
         for (size, owner), group in self._groups(todo):
             cpu_slots = functools.partial(self._core.cascade.cpu_slots, size, owner=owner)

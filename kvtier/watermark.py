@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from kvtier.core import EngineCore
-from kvtier.pagetable import S_CPU
 from kvtier.pool import Pool
+from kvtier.types import Tier
 
 PERSIST_EVERY_S = 2.0
 
@@ -56,7 +56,7 @@ class Watermarks:
         elif cfg.prefetch and used < cfg.low_watermark * pool.num_slots:
             room = math.floor(cfg.low_watermark * pool.num_slots) - used
             rows = t.of_pool(pool.pool_id)
-            cold = rows[t.state[rows] == S_CPU]
+            cold = rows[t.at(rows, Tier.CPU)]
             if len(cold) and room > 0:
                 newest = cold[np.argsort(-t.ids(cold), kind="stable")]
                 core.starts.restore_cpu(pool, newest[:room], urgent=False)
