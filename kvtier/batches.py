@@ -9,7 +9,7 @@ import numpy as np
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
-    from kvtier.core import EngineCore
+    from kvtier.placement import Placement
     from kvtier.pool import Pool
 
 
@@ -29,10 +29,10 @@ class Frees:
         else:
             entry[1].append(slots)
 
-    def apply(self, core: EngineCore) -> None:
+    def apply(self, place: Placement) -> None:
         for (tier, key), (pool, parts) in self._slots.items():
             slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            core.free_slots(tier, key, slots, pool)
+            place.free_slots(tier, key, slots, pool)
         self._slots.clear()
 
 

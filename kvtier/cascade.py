@@ -5,6 +5,9 @@ pages) down the cascade when the tier is full: to disk when the admission rule a
 disk has (or can make) room, otherwise dropped and counted. A full disk drops its own victims,
 never a page a restore is waiting for. Drops are published as events. Runs under the engine lock.
 
+The cascade stands on the placement (tiers, policies, ledger) and queues its CPU -> disk moves
+through a ``MoveStarter`` (``kvtier.starts.Starts``, which builds the cascade it uses).
+
 With tenant quotas (``kvtier.quotas``) the slots are asked for on behalf of one tenant
 (``owner``): a tenant at its quota makes room from its own pages first and gets no more than its
 quota allows; room in a full tier comes only from the requester's own pages and from tenants
@@ -14,38 +17,45 @@ tracked page may be a victim, as the policy orders them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from kvtier.pagetable import EMPTY, by_value
+from kvtier.placement import Placement
 from kvtier.policy.base import RowFilter
 from kvtier.types import Direction, PageId, PageMeta, Tier
 
-if TYPE_CHECKING:
-    from kvtier.core import EngineCore
+
+class MoveStarter(Protocol):
+    """What the cascade needs to queue the moves it decides on."""
+
+    def start_many(
+        self, rows: np.ndarray, direction: Direction, dsts: np.ndarray, *, urgent: bool
+    ) -> int: ...
 
 
 class Cascade:
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
+    def __init__(self, place: Placement, starter: MoveStarter) -> None:
+        self._place = place
+        self._starter = starter
 
     def _protected(self, rows: np.ndarray) -> np.ndarray:
         """Pages a load keeps (``protect``) or an acquire waits for (``waiting``)."""
-        t = self._core.table
+        t = self._place.table
         return (t.protect[rows] > 0) | (t.waiting[rows] > 0)
 
     def _victims_of(self, tier: Tier, owners: np.ndarray | None) -> RowFilter:
         """``protected`` for a tier's policy: the usual pages, and with quotas every page whose
         tenant may not be displaced (within its quota) unless its owner is in ``owners``."""
-        core = self._core
-        if not core.ledger.active:
+        place = self._place
+        if not place.ledger.active:
             return self._protected
-        allowed = core.ledger.evictable(tier)
+        allowed = place.ledger.evictable(tier)
         if owners is not None:
             allowed = allowed.copy()
             allowed[owners] = True
-        owner = core.table.owner
+        owner = place.table.owner
 
         def protected(rows: np.ndarray) -> np.ndarray:
             return self._protected(rows) | ~allowed[owner[rows]]
@@ -53,27 +63,27 @@ class Cascade:
         return protected
 
     def _own_only(self, owner: int) -> RowFilter:
-        owners = self._core.table.owner
+        owners = self._place.table.owner
         return lambda rows: self._protected(rows) | (owners[rows] != owner)
 
     def _evict(self, tier: Tier, page_size: int, n: int, protected: RowFilter) -> np.ndarray:
         """Up to ``n`` victims of the tier's policy, counted (the caller moves or drops them)."""
-        core = self._core
-        policy = (core.cpu_policy if tier is Tier.CPU else core.disk_policy).get(page_size)
+        place = self._place
+        policy = (place.cpu_policy if tier is Tier.CPU else place.disk_policy).get(page_size)
         if policy is None or not len(policy) or n <= 0:
             return EMPTY
         victims = policy.evict(n, protected, partial=True)
         if victims is None or not len(victims):
             return EMPTY
-        core.counters.evictions[tier] += len(victims)
-        core.ledger.evictions[tier] += core.ledger.per_owner(core.table.owner[victims])
-        policy.insert(victims, core.meta(victims))  # back in, so ``unsettle`` is uniform
+        place.counters.evictions[tier] += len(victims)
+        place.ledger.evictions[tier] += place.ledger.per_owner(place.table.owner[victims])
+        policy.insert(victims, place.meta(victims))  # back in, so ``unsettle`` is uniform
         return victims
 
     def fit_quota(self, tier: Tier, owner: int, page_size: int, n: int) -> int:
         """How many of ``n`` pages ``owner`` may bring into ``tier``, after pushing its own
         pages out of the tier (down the cascade) to stay within its quota."""
-        room = self._core.ledger.room(tier, owner) if owner else None
+        room = self._place.ledger.room(tier, owner) if owner else None
         if room is None or room // page_size >= n:
             return n
         allowed = room // page_size
@@ -82,14 +92,14 @@ class Cascade:
             if tier is Tier.CPU:
                 self.demote_cpu(victims, page_size)
             else:
-                self._core.drop(victims, "tenant_quota")
+                self._place.drop(victims, "tenant_quota")
         return allowed + len(victims)
 
     def cpu_slots(self, page_size: int, n: int, owner: int = 0) -> np.ndarray:
         """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room;
         ``owner``: the tenant the slots are for (its quota applies)."""
-        host = self._core.host
-        if self._core.ledger.active:
+        host = self._place.host
+        if self._place.ledger.active:
             n = self.fit_quota(Tier.CPU, owner, page_size, n)
             if not n:
                 return EMPTY
@@ -116,13 +126,13 @@ class Cascade:
 
     def demote_cpu(self, rows: np.ndarray, page_size: int) -> None:
         """CPU victims go to disk if admitted and there is room, else they are dropped."""
-        core, t = self._core, self._core.table
-        if core.disk is None:
-            core.drop(rows, "cpu_full")
+        place, t = self._place, self._place.table
+        if place.disk is None:
+            place.drop(rows, "cpu_full")
             return
         admit = np.fromiter(
             (
-                core.admission.admit(PageMeta(PageId(r), p, q, n), h)
+                place.admission.admit(PageMeta(PageId(r), p, q, n), h)
                 for r, p, q, n, h in zip(
                     rows.tolist(),
                     t.prio[rows].tolist(),
@@ -136,35 +146,35 @@ class Cascade:
             count=len(rows),
         )
         if not admit.all():
-            core.drop(rows[~admit], "no_admission")
+            place.drop(rows[~admit], "no_admission")
         rows = rows[admit]
-        if core.ledger.active:
+        if place.ledger.active:
             rows = self.fit_disk_quotas(rows, page_size)
         if not len(rows):
             return
-        slots = core.disk.alloc(page_size, len(rows))
+        slots = place.disk.alloc(page_size, len(rows))
         if slots is None:
             self.make_disk_room(page_size, len(rows), np.unique(t.owner[rows]))
-            slots = core.disk.alloc(page_size, len(rows))
+            slots = place.disk.alloc(page_size, len(rows))
         if slots is None:  # as many as there are
             slots = []
-            while len(slots) < len(rows) and (one := core.disk.alloc(page_size, 1)):
+            while len(slots) < len(rows) and (one := place.disk.alloc(page_size, 1)):
                 slots += one
         if len(slots) < len(rows):
-            core.drop(rows[len(slots) :], "disk_full")
+            place.drop(rows[len(slots) :], "disk_full")
         dsts = np.array(slots, dtype=np.int64)
-        core.starts.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
+        self._starter.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
 
     def fit_disk_quotas(self, rows: np.ndarray, page_size: int) -> np.ndarray:
         """The rows each tenant's disk quota lets in (after dropping its own disk pages for
         room); the others are dropped."""
-        owners = self._core.table.owner[rows]
+        owners = self._place.table.owner[rows]
         keep: list[np.ndarray] = []
         for owner, pos in by_value(owners):
             part = rows if len(pos) == len(rows) else rows[pos]
             n = self.fit_quota(Tier.DISK, owner, page_size, len(part))
             if n < len(part):
-                self._core.drop(part[n:], "tenant_quota")
+                self._place.drop(part[n:], "tenant_quota")
             keep.append(part[:n])
         return np.concatenate(keep) if keep else EMPTY
 
@@ -172,4 +182,4 @@ class Cascade:
         # never a page a restore is waiting for
         victims = self._evict(Tier.DISK, page_size, n, self._victims_of(Tier.DISK, owners))
         if len(victims):
-            self._core.drop(victims, "disk_full")
+            self._place.drop(victims, "disk_full")

@@ -261,7 +261,7 @@ class _Acquire:
                 if len(core.cancel(going)):  # ``land`` pinned them
                     still = self._still_waiting()
             if still:
-                core.restore_waiters += 1
+                core.landings.restore_waiters += 1
                 counted = True
             while still:
                 ended = core.landings.ended
@@ -276,7 +276,7 @@ class _Acquire:
             raise
         finally:
             if counted:
-                core.restore_waiters -= 1
+                core.landings.restore_waiters -= 1
         # A page that landed and was freed at once (no removal at all: none was).
         freed = t.gen[self.rows] != self.gens if t.removals != self.removals else EMPTY
         if freed.any():
