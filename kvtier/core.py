@@ -36,13 +36,13 @@ from kvtier.readiness import ReadyEvents
 from kvtier.scheduler import TransferScheduler
 from kvtier.starts import INLINE_RESTORE_BYTES, Starts
 from kvtier.tiers.pinned import HostArena
+from kvtier.tiers.registry import open_lower
 from kvtier.transfer import build_handlers, build_inline_restore
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.remote import RemoteTier
-    from kvtier.tiers.disk import DiskStore
 
 
 class EngineCore(Placement):
@@ -58,8 +58,9 @@ class EngineCore(Placement):
         self.landings = Landings(lock)  # CPU->GPU moves ended; acquires wait for theirs
         cuda = self.device.type == "cuda"
         chunk = max(4096, min(config.pinned_chunk_mb * MIB, config.cpu_budget_bytes) // 4096 * 4096)
-        super().__init__(config, HostArena(config.cpu_budget_bytes, chunk, pin=cuda),
-                         _open_disk(config))
+        self.lower_name, lower = open_lower(config)  # the chain's medium below the CPU
+        host = HostArena(config.cpu_budget_bytes, chunk, pin=cuda)
+        super().__init__(config, host, lower)
         self.remote: RemoteTier | None = None  # set by the engine (``kvtier.remote.open_remote``)
         self.ready = ReadyEvents(self.device)
         self.inline_restores = {
@@ -74,7 +75,8 @@ class EngineCore(Placement):
         self._reload_disk()
 
     def _lanes(self, config: OffloadConfig) -> TransferScheduler:
-        handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes)
+        handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes,
+                                  self.lower_name)
         gpus = {str(d): build_handlers(d, self.host, None, config.batch_bytes)
                 for d in self.devices[1:]}
         complete = self.completion.complete
@@ -125,15 +127,3 @@ class EngineCore(Placement):
         self.cond.notify_all()
         self.landings.wake()
 
-
-def _open_disk(config: OffloadConfig) -> DiskStore | None:
-    if not config.disk_budget_bytes:
-        return None
-    from kvtier.tiers.disk import DiskStore
-
-    return DiskStore(
-        config.disk_path,
-        config.disk_budget_bytes,
-        direct_io=config.disk_direct_io,
-        io_threads=config.disk_io_threads,
-    )

@@ -37,7 +37,7 @@ from kvtier.tiers.pinned import HostArena
 from kvtier.types import PoolId, Tier
 
 if TYPE_CHECKING:
-    from kvtier.tiers.disk import DiskStore
+    from kvtier.tiers.medium import SlotMedium
 
 _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into one int64
 
@@ -45,7 +45,9 @@ _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into o
 class Placement:
     """Settled pages, their tiers' slots and policies, pins (see the module docstring)."""
 
-    def __init__(self, config: OffloadConfig, host: HostArena, disk: DiskStore | None) -> None:
+    def __init__(self, config: OffloadConfig, host: HostArena, disk: SlotMedium | None) -> None:
+        """``disk``: the tier chain's medium below the CPU (``Tier.DISK``; the disk store
+        unless the chain names another), None when the chain has none or it is off."""
         self.config = config
         self.table = PageTable()
         self.pools: dict[PoolId, Pool] = {}
