@@ -39,9 +39,13 @@ from kvtier.errors import NotFound
 from kvtier.tiers.runs import strictly_ascending
 from kvtier.types import PageId, PageState, PoolId, Tier
 
-_S_NONE, _S_GPU, _S_CPU, _S_DISK, _S_DOWN, _S_UP, _S_DROPPED = range(7)
-_STATE_NAMES = (None, *PageState.__members__.values())  # code -> PageState (GPU .. DROPPED)
-_STATE_OF_TIER = {Tier.GPU: _S_GPU, Tier.CPU: _S_CPU, Tier.DISK: _S_DISK}
+# State codes, private: a page settled in tier ``k`` (any tier of the chain) has code
+# ``_S_HOME + k``, so "settled in tier k" and "settled anywhere" are one comparison each.
+_S_NONE, _S_DOWN, _S_UP, _S_DROPPED = range(4)
+_S_HOME = 8
+_MOVING_NAMES = {_S_DOWN: PageState.MOVING_DOWN, _S_UP: PageState.MOVING_UP,
+                 _S_DROPPED: PageState.DROPPED}
+_HOME_NAMES = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
 EMPTY = np.empty(0, dtype=np.int64)
@@ -222,7 +226,7 @@ class PageTable:
 
     def settle(self, rows: np.ndarray, tier: Tier, slots: np.ndarray) -> None:
         """``tier``/``slots`` are the pages' home; any move of theirs has ended."""
-        self.state[rows], self.tier[rows], self.slot[rows] = _STATE_OF_TIER[tier], tier, slots
+        self.state[rows], self.tier[rows], self.slot[rows] = _S_HOME + tier, tier, slots
         self.move[rows] = 0
 
     def mark_moving(self, rows: np.ndarray, up: bool, batch: int) -> None:
@@ -298,9 +302,11 @@ class PageTable:
 
     # -- views ---------------------------------------------------------------------------------
     def page_state(self, row: int) -> PageState:
-        state = _STATE_NAMES[int(self.state[row])]
-        assert state is not None, f"row {row} holds no page"
-        return state
+        code = int(self.state[row])
+        assert code != _S_NONE, f"row {row} holds no page"
+        if code >= _S_HOME:
+            return _HOME_NAMES[Tier(code - _S_HOME)]
+        return _MOVING_NAMES[code]
 
     def keyed(self, key: bytes) -> int | None:
         return self.by_key.get(key)
@@ -316,12 +322,11 @@ class PageTable:
 
     def at(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         """Mask: settled in ``tier``."""
-        return self.state[rows] == _STATE_OF_TIER[tier]
+        return self.state[rows] == _S_HOME + tier
 
     def settled(self, rows: np.ndarray) -> np.ndarray:
         """Mask: settled in some tier (not moving, not dropped)."""
-        states = self.state[rows]
-        return (states >= _S_GPU) & (states <= _S_DISK)
+        return self.state[rows] >= _S_HOME
 
     def moving(self, rows: np.ndarray) -> np.ndarray:
         states = self.state[rows]
@@ -340,10 +345,12 @@ class PageTable:
         """Every row holding a page."""
         return np.flatnonzero(self.state[: self._high] != _S_NONE).astype(np.int64)
 
-    def tier_counts(self, rows: np.ndarray | None = None) -> np.ndarray:
-        """Pages settled in each tier (GPU, CPU, DISK), of ``rows`` or of the whole table."""
+    def tier_counts(self, rows: np.ndarray | None = None, tiers: int = 3) -> np.ndarray:
+        """Pages settled in each of the first ``tiers`` tiers (GPU, CPU, DISK, ...), of
+        ``rows`` or of the whole table."""
         states = self.state[: self._high] if rows is None else self.state[rows]
-        return np.bincount(states[(states >= _S_GPU) & (states <= _S_DISK)], minlength=4)[1:4]
+        home = states[states >= _S_HOME].astype(np.int64) - _S_HOME
+        return np.bincount(home, minlength=tiers)[:tiers]
 
 
 def _column(n: int, dtype: Any) -> np.ndarray:
