@@ -178,8 +178,8 @@ class BulkMoves:
         src, dst = direction._value_
         frees.add(src, pool, size, srcs)
         place.settle(rows, dst, dsts, pool)
-        if dst is Tier.DISK:
-            place.set_disk_records(rows, size)
+        if dst in place.media:  # a slot medium below the CPU keeps keyed pages' records
+            place.set_disk_records(rows, size, dst)
         if dst is Tier.GPU:
             assert pool is not None
             place.land(pool, rows)

@@ -1,11 +1,13 @@
-"""The cascade: making room in the CPU and disk tiers.
+"""The cascade: making room in the tiers below the GPU by walking the tier chain down.
 
-Contract: ``cpu_slots`` returns up to ``n`` CPU slots, evicting CPU victims (never protected
-pages) down the cascade when the tier is full: to disk when the admission rule agrees and the
-disk has (or can make) room, otherwise dropped and counted. A full disk drops its own victims,
-never a page a restore is waiting for. Drops are published as events. Runs under the engine lock.
+Contract: ``slots(tier, ...)`` (``cpu_slots`` for the CPU) returns up to ``n`` slots of a tier,
+evicting that tier's victims (never protected pages) one step down the chain when it is full
+(``demote``): into the next open tier (``Placement.chain``) when it has (or can make, the same
+way) room, from the CPU only when the admission rule agrees; otherwise they are dropped and
+counted (``<tier>_full``, ``no_admission``). The last tier drops its own victims, never a page
+a restore is waiting for. Drops are published as events. Runs under the engine lock.
 
-The cascade stands on the placement (tiers, policies, ledger) and queues its CPU -> disk moves
+The cascade stands on the placement (tiers, policies, ledger) and queues its moves down
 through a ``MoveStarter`` (``kvtier.starts.Starts``, which builds the cascade it uses).
 
 With tenant quotas (``kvtier.quotas``) the slots are asked for on behalf of one tenant
@@ -69,7 +71,7 @@ class Cascade:
     def _evict(self, tier: Tier, page_size: int, n: int, protected: RowFilter) -> np.ndarray:
         """Up to ``n`` victims of the tier's policy, counted (the caller moves or drops them)."""
         place = self._place
-        policy = (place.cpu_policy if tier is Tier.CPU else place.disk_policy).get(page_size)
+        policy = place.policies[tier].get(page_size)
         if policy is None or not len(policy) or n <= 0:
             return EMPTY
         victims = policy.evict(n, protected, partial=True)
@@ -82,7 +84,8 @@ class Cascade:
 
     def fit_quota(self, tier: Tier, owner: int, page_size: int, n: int) -> int:
         """How many of ``n`` pages ``owner`` may bring into ``tier``, after pushing its own
-        pages out of the tier (down the cascade) to stay within its quota."""
+        pages out of the tier (down the cascade from the CPU; dropped below it) to stay within
+        its quota."""
         room = self._place.ledger.room(tier, owner) if owner else None
         if room is None or room // page_size >= n:
             return n
@@ -90,46 +93,82 @@ class Cascade:
         victims = self._evict(tier, page_size, n - allowed, self._own_only(owner))
         if len(victims):
             if tier is Tier.CPU:
-                self.demote_cpu(victims, page_size)
+                self.demote(tier, victims, page_size)
             else:
                 self._place.drop(victims, "tenant_quota")
         return allowed + len(victims)
 
+    def _below(self, tier: Tier) -> Tier | None:
+        """The next open tier of the chain under ``tier`` (None: ``tier`` is the last)."""
+        chain = self._place.chain
+        at = chain.index(tier) + 1
+        return chain[at] if at < len(chain) else None
+
+    def _alloc(self, tier: Tier, page_size: int, n: int) -> np.ndarray | None:
+        """``n`` free slots of ``tier``, all or nothing (the CPU's contiguous when it can)."""
+        if tier is Tier.CPU:
+            return self._place.host.alloc_array(page_size, n)
+        got = self._place.media[tier].alloc(page_size, n)
+        return None if got is None else np.array(got, dtype=np.int64)
+
     def cpu_slots(self, page_size: int, n: int, owner: int = 0) -> np.ndarray:
         """Up to ``n`` CPU slots (contiguous when possible), evicting down the cascade for room;
         ``owner``: the tenant the slots are for (its quota applies)."""
-        host = self._place.host
         if self._place.ledger.active:
             n = self.fit_quota(Tier.CPU, owner, page_size, n)
             if not n:
                 return EMPTY
-        got = host.alloc_array(page_size, n)
+        owners = np.array([owner], dtype=np.int64) if owner else None
+        return self.slots(Tier.CPU, page_size, n, owners)
+
+    def slots(self, tier: Tier, page_size: int, n: int, owners: np.ndarray | None) -> np.ndarray:
+        """Up to ``n`` slots of ``tier``, making room (``make_room``) when it is full, then as
+        many as there are, one at a time. ``owners``: tenants whose pages may make the room
+        (with quotas)."""
+        got = self._alloc(tier, page_size, n)
         if got is None:
-            self.make_cpu_room(page_size, n, owner)
-            got = host.alloc_array(page_size, n)
-        if got is None:  # as many as there are, a run at a time
-            parts, left = [], n
-            while left:
-                one = host.alloc_array(page_size, 1)
-                if one is None:
-                    break
+            self.make_room(tier, page_size, n, owners)
+            got = self._alloc(tier, page_size, n)
+        if got is None:  # as many as there are, one at a time
+            parts: list[np.ndarray] = []
+            while len(parts) < n and (one := self._alloc(tier, page_size, 1)) is not None:
                 parts.append(one)
-                left -= 1
             got = np.concatenate(parts) if parts else EMPTY
         return got
 
-    def make_cpu_room(self, page_size: int, n: int, owner: int = 0) -> None:
-        owners = np.array([owner], dtype=np.int64) if owner else None
-        victims = self._evict(Tier.CPU, page_size, n, self._victims_of(Tier.CPU, owners))
+    def make_room(self, tier: Tier, page_size: int, n: int, owners: np.ndarray | None) -> None:
+        """Push ``n`` of ``tier``'s victims one step down the chain (never a page a restore
+        is waiting for)."""
+        victims = self._evict(tier, page_size, n, self._victims_of(tier, owners))
         if len(victims):
-            self.demote_cpu(victims, page_size)
+            self.demote(tier, victims, page_size)
 
-    def demote_cpu(self, rows: np.ndarray, page_size: int) -> None:
-        """CPU victims go to disk if admitted and there is room, else they are dropped."""
-        place, t = self._place, self._place.table
-        if place.disk is None:
-            place.drop(rows, "cpu_full")
+    def make_disk_room(self, page_size: int, n: int, owners: np.ndarray | None = None) -> None:
+        self.make_room(Tier.DISK, page_size, n, owners)
+
+    def demote(self, tier: Tier, rows: np.ndarray, page_size: int) -> None:
+        """Victims of ``tier`` go to the next tier of the chain (from the CPU: if admitted)
+        when it has room, else they are dropped."""
+        place = self._place
+        below = self._below(tier)
+        if below is None:
+            place.drop(rows, f"{tier.name.lower()}_full")
             return
+        if tier is Tier.CPU:
+            rows = self._admitted(rows)
+        if place.ledger.active:
+            rows = self.fit_quotas(below, rows, page_size)
+        if not len(rows):
+            return
+        owners = np.unique(place.table.owner[rows])
+        dsts = self.slots(below, page_size, len(rows), owners)
+        if len(dsts) < len(rows):
+            place.drop(rows[len(dsts) :], f"{below.name.lower()}_full")
+        self._starter.start_many(rows[: len(dsts)], Direction((tier, below)), dsts, urgent=False)
+
+    def _admitted(self, rows: np.ndarray) -> np.ndarray:
+        """The CPU victims the admission rule lets below the CPU; the others are dropped."""
+        place, t = self._place, self._place.table
         admit = np.fromiter(
             (
                 place.admission.admit(PageMeta(PageId(r), p, q, n), h)
@@ -147,39 +186,20 @@ class Cascade:
         )
         if not admit.all():
             place.drop(rows[~admit], "no_admission")
-        rows = rows[admit]
-        if place.ledger.active:
-            rows = self.fit_disk_quotas(rows, page_size)
-        if not len(rows):
-            return
-        slots = place.disk.alloc(page_size, len(rows))
-        if slots is None:
-            self.make_disk_room(page_size, len(rows), np.unique(t.owner[rows]))
-            slots = place.disk.alloc(page_size, len(rows))
-        if slots is None:  # as many as there are
-            slots = []
-            while len(slots) < len(rows) and (one := place.disk.alloc(page_size, 1)):
-                slots += one
-        if len(slots) < len(rows):
-            place.drop(rows[len(slots) :], "disk_full")
-        dsts = np.array(slots, dtype=np.int64)
-        self._starter.start_many(rows[: len(slots)], Direction.CPU_TO_DISK, dsts, urgent=False)
+        return rows[admit]
 
     def fit_disk_quotas(self, rows: np.ndarray, page_size: int) -> np.ndarray:
-        """The rows each tenant's disk quota lets in (after dropping its own disk pages for
-        room); the others are dropped."""
+        return self.fit_quotas(Tier.DISK, rows, page_size)
+
+    def fit_quotas(self, tier: Tier, rows: np.ndarray, page_size: int) -> np.ndarray:
+        """The rows each tenant's quota in ``tier`` lets in (after dropping its own pages
+        there for room); the others are dropped."""
         owners = self._place.table.owner[rows]
         keep: list[np.ndarray] = []
         for owner, pos in by_value(owners):
             part = rows if len(pos) == len(rows) else rows[pos]
-            n = self.fit_quota(Tier.DISK, owner, page_size, len(part))
+            n = self.fit_quota(tier, owner, page_size, len(part))
             if n < len(part):
                 self._place.drop(part[n:], "tenant_quota")
             keep.append(part[:n])
         return np.concatenate(keep) if keep else EMPTY
-
-    def make_disk_room(self, page_size: int, n: int, owners: np.ndarray | None = None) -> None:
-        # never a page a restore is waiting for
-        victims = self._evict(Tier.DISK, page_size, n, self._victims_of(Tier.DISK, owners))
-        if len(victims):
-            self._place.drop(victims, "disk_full")

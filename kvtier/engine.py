@@ -345,25 +345,11 @@ class TierEngine:
             with core.cond:
                 return tenant_stats(core, tenant)
         with core.cond:
-            gpu_cap = sum(p.num_slots * p.page_size for p in core.pools.values())
-            gpu_used = sum(p.used_slots * p.page_size for p in core.pools.values())
-            local = (Tier.GPU, Tier.CPU, Tier.DISK)
-            count = dict(zip(local, core.table.tier_counts().tolist(), strict=True))
-            disk = core.disk
+            local = (Tier.GPU, Tier.CPU, Tier.DISK)  # the page homes the wire reports
+            count = core.table.tier_counts(tiers=len(local)).tolist()
             restores, offloads = core.scheduler.depth()
             return EngineStats(
-                tiers=(
-                    TierStats(Tier.GPU, gpu_used, gpu_cap, count[Tier.GPU]),
-                    TierStats(
-                        Tier.CPU, core.host.used_bytes, core.host.capacity_bytes, count[Tier.CPU]
-                    ),
-                    TierStats(
-                        Tier.DISK,
-                        disk.used_bytes if disk else 0,
-                        disk.capacity_bytes if disk else 0,
-                        count[Tier.DISK],
-                    ),
-                ),
+                tiers=tuple(TierStats(t, *self._usage(t), count[t]) for t in local),
                 pools=len(core.pools),
                 tenants=len({p.tenant for p in core.pools.values()}),
                 queued_restores=restores,
@@ -374,6 +360,16 @@ class TierEngine:
                 counters=core.counters,
                 remote=core.remote.stats() if core.remote is not None else None,
             )
+
+    def _usage(self, tier: Tier) -> tuple[int, int]:
+        """(used, capacity) bytes of a tier of the chain; (0, 0) for one not open."""
+        core = self._core
+        if tier is Tier.GPU:
+            pools = core.pools.values()
+            return (sum(p.used_slots * p.page_size for p in pools),
+                    sum(p.num_slots * p.page_size for p in pools))
+        medium = core.host if tier is Tier.CPU else core.media.get(tier)
+        return (medium.used_bytes, medium.capacity_bytes) if medium is not None else (0, 0)
 
     def close(self, grace: float = 10.0) -> None:
         """Stop accepting work, write keyed CPU-tier pages to disk (``kvtier.keyed_flush``),
@@ -395,8 +391,8 @@ class TierEngine:
         with core.cond:
             for pool in list(core.pools.values()):
                 pool.dev.close()
-        if core.disk is not None:
-            core.disk.close()
+        for medium in core.media.values():
+            medium.close()
         core.host.close()
         core.events.close()
 

@@ -56,9 +56,12 @@ class Placement:
         self.events = EventHub()
         self.host = host
         self.disk = disk
+        # The open tiers of the chain, top down, and the slot media below the CPU by tier.
+        self.media: dict[Tier, SlotMedium] = {} if disk is None else {Tier.DISK: disk}
+        self.chain = (Tier.GPU, Tier.CPU, *self.media)
         create_row_policy(config.policy)  # fail at start on an unknown name
-        self.cpu_policy: dict[int, RowPolicy] = {}
-        self.disk_policy: dict[int, RowPolicy] = {}
+        # Below the GPU (whose policies are its pools'): a policy per tier and page size.
+        self.policies: dict[Tier, dict[int, RowPolicy]] = {t: {} for t in self.chain[1:]}
         self.admission = create_admission(config.disk_admission)
         self.closed = False
 
@@ -81,7 +84,7 @@ class Placement:
         if tier is Tier.GPU:
             assert pool is not None
             return pool.policy
-        table = self.cpu_policy if tier is Tier.CPU else self.disk_policy
+        table = self.policies[tier]
         policy = table.get(page_size)
         if policy is None:
             policy = table[page_size] = self.new_policy()
@@ -136,11 +139,11 @@ class Placement:
         elif tier is Tier.CPU:
             self.host.free_array(page_size, slots)
         else:
-            assert self.disk is not None
+            medium = self.media[tier]
             listed = slots.tolist()
             for slot in listed:
-                self.disk.clear_record(page_size, DiskSlot(slot))
-            self.disk.free(page_size, listed)
+                medium.clear_record(page_size, DiskSlot(slot))
+            medium.free(page_size, listed)
 
     def release(self, rows: np.ndarray) -> None:
         """Forget settled or dropped pages (never moving ones) and free their slots."""
@@ -172,17 +175,19 @@ class Placement:
                 self.events.publish(Event("dropped", pool_id or None, page_id, Tier(tier), None))
         t.remove(rows[t.pool[rows] == 0])
 
-    def set_disk_records(self, rows: np.ndarray, page_size: int) -> None:
-        """Keyed pages that reached the disk: their records make them findable after a restart."""
-        if self.disk is None:
+    def set_disk_records(self, rows: np.ndarray, page_size: int, tier: Tier = Tier.DISK) -> None:
+        """Keyed pages that reached a slot medium: their records make them findable after a
+        restart."""
+        medium = self.media.get(tier)
+        if medium is None:
             return
         t = self.table
         for row, slot in zip(rows.tolist(), t.slot[rows].tolist(), strict=True):
             key = t.key_of.get(row)
             if key is not None:
                 record = DiskRecord(key=key, tenant=t.tenant_of[row])
-                self.disk.set_record(page_size, DiskSlot(slot), record)
-        self.disk.write_records()  # before any lookup can answer DISK for these keys
+                medium.set_record(page_size, DiskSlot(slot), record)
+        medium.write_records()  # before any lookup can answer DISK for these keys
 
     # -- pins --------------------------------------------------------------------------------
     def pin(self, pool: Pool, rows: np.ndarray, times: np.ndarray | int = 1) -> None:

@@ -33,8 +33,9 @@ class Watermarks:
         core = self._core
         last_persist = time.monotonic()
         while not self._stop.wait(self._interval):
-            if core.disk is not None and time.monotonic() - last_persist > PERSIST_EVERY_S:
-                core.disk.persist()  # bounds what a kill -9 can lose of the keyed-page index
+            if core.media and time.monotonic() - last_persist > PERSIST_EVERY_S:
+                for medium in core.media.values():  # bounds what a kill -9 can lose of the
+                    medium.persist()  # keyed-page index
                 last_persist = time.monotonic()
             if not core.config.enabled:
                 continue
