@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-import kvtier.completion as completion
+import kvtier.moves.completion as completion
 import kvtier.prefix as prefix
 import kvtier.scheduler as scheduler
 from kvtier import OffloadConfig, TierEngine

@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bookkeeping import make_engine
 
-import kvtier.batches as batches
-import kvtier.bulk as bulk
-import kvtier.completion as completion
+import kvtier.moves.batch as bulk
+import kvtier.moves.completion as completion
+import kvtier.moves.frees as batches
 import kvtier.scheduler as scheduler
 
 GIB = 1 << 30

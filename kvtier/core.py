@@ -3,19 +3,20 @@
 Contract (every method here runs with ``self.cond`` held, except ``complete`` which takes it):
     * ``EngineCore`` is a ``Placement`` (``kvtier.placement``: the page table, tiers, policies,
       ledger; ``settle``/``unsettle``/``release``/``drop``/pins) that composes the pieces which
-      move pages, each built on the narrow things it uses, never on the core:
-      ``bulk`` (``kvtier.bulk``: per-batch prepare/finish), ``completion``
-      (``kvtier.completion``: finishing what the lanes report), ``starts`` (``kvtier.starts``:
+      move pages (``kvtier.moves``), each built on the narrow things it uses, never on the
+      core: ``bulk`` (``moves/batch.py``: per-batch prepare/finish), ``completion``
+      (``moves/completion.py``: what the lanes report), ``starts`` (``moves/starter.py``:
       ``offload`` / ``restore_cpu`` / ``restore_disk`` / ``cancel``) and the ``cascade`` it
-      builds (``kvtier.cascade``: room in the CPU and disk tiers).
+      builds (``moves/demotion.py``: room below the GPU, walking the tier chain down).
     * Pages are page-table rows (int64 arrays of distinct rows); every step is one numpy pass
       or one policy call per batch, never Python work per page on the transfer paths.
     * A page that gets no destination slot stays where it was; ``complete(batch, results)``
       finishes moves: success frees the source slot and makes the destination the page's home;
       failure frees the destination and puts the page back (a failed disk read drops the page:
       its stored bytes are not trustworthy).
-    * Room is made by cascades: CPU full -> CPU victims go to disk through the admission rule,
-      or are dropped; disk full -> disk victims are dropped. Drops are counted and published.
+    * Room is made by cascades: CPU full -> CPU victims go one tier down the chain (disk by
+      default) through the admission rule, or are dropped; the last tier full -> its victims
+      are dropped. Drops are counted and published.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvtier.bulk import BulkMoves
-from kvtier.completion import Completion
 from kvtier.config import MIB, OffloadConfig
-from kvtier.landings import Landings
+from kvtier.moves.batch import BulkMoves
+from kvtier.moves.completion import Completion
+from kvtier.moves.landings import Landings
+from kvtier.moves.starter import INLINE_RESTORE_BYTES, Starter
 from kvtier.placement import Placement
 from kvtier.readiness import ReadyEvents
 from kvtier.scheduler import TransferScheduler
-from kvtier.starts import INLINE_RESTORE_BYTES, Starts
 from kvtier.tiers.pinned import HostArena
 from kvtier.tiers.registry import open_lower
 from kvtier.transfer import build_handlers, build_inline_restore
@@ -69,7 +70,7 @@ class EngineCore(Placement):
         self.bulk = BulkMoves(self, self.ready)
         self.completion = Completion(self, self.bulk, self.landings, self.cond)
         self.scheduler = self._lanes(config)
-        self.starts = Starts(self, self.bulk, self.scheduler, self.completion, self.landings,
+        self.starts = Starter(self, self.bulk, self.scheduler, self.completion, self.landings,
                              self.inline_restore)
         self.cascade = self.starts.cascade
         self._reload_disk()
@@ -119,7 +120,7 @@ class EngineCore(Placement):
         return self.completion.complete(batch, results, seconds, wait=wait)
 
     def cancel(self, rows: np.ndarray) -> np.ndarray:
-        """See ``Starts.cancel``."""
+        """See ``Starter.cancel``."""
         return self.starts.cancel(rows)
 
     def wake_all(self) -> None:

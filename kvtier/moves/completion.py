@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from kvtier.batches import Frees
-from kvtier.bulk import BulkMoves
-from kvtier.landings import Landings
+from kvtier.moves.batch import BulkMoves
+from kvtier.moves.frees import Frees
+from kvtier.moves.landings import Landings
 from kvtier.placement import Placement
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction

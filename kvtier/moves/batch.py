@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.batches import Frees
 from kvtier.events import Event
+from kvtier.moves.frees import Frees
 from kvtier.pagetable import by_value
 from kvtier.placement import Placement
 from kvtier.readiness import ReadyEvents

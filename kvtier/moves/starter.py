@@ -1,4 +1,4 @@
-"""Starts: queueing page moves (the prepare side of the two-phase moves) and taking them back.
+"""The starter: queueing page moves (the prepare side of two-phase moves) and taking them back.
 
 Built on the placement, the bulk moves, the scheduler and the completion (for inline restores);
 it builds the cascade it makes room with, as that cascade's ``MoveStarter``.
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.batches import Frees, growing_chunks
-from kvtier.bulk import BulkMoves
-from kvtier.cascade import Cascade
-from kvtier.completion import Completion
-from kvtier.landings import Landings
+from kvtier.moves.batch import BulkMoves
+from kvtier.moves.completion import Completion
+from kvtier.moves.demotion import Cascade
+from kvtier.moves.frees import Frees
+from kvtier.moves.landings import Landings
 from kvtier.pagetable import by_value
 from kvtier.placement import Placement
 from kvtier.scheduler import TransferScheduler
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread
 
 
-class Starts:
+class Starter:
     """See the module docstring."""
 
     def __init__(
@@ -218,3 +218,16 @@ class Starts:
             frees.apply(place)
             done.append(got)
         return np.concatenate(done) if done else rows[:0]
+
+
+def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in chunks of 2, 4, 8, ... times ``step`` items: the first two batches'
+    copies start at once (a lane launches the second while the first copies, so it never waits
+    on the caller's next chunk with its copy engine idle), and each later chunk is prepared
+    while the lanes copy the ones before it, in a handful of passes whatever ``n``."""
+    out, lo, size = [], 0, 2 * step
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size *= 2
+    return out

@@ -8,7 +8,7 @@ counted (``<tier>_full``, ``no_admission``). The last tier drops its own victims
 a restore is waiting for. Drops are published as events. Runs under the engine lock.
 
 The cascade stands on the placement (tiers, policies, ledger) and queues its moves down
-through a ``MoveStarter`` (``kvtier.starts.Starts``, which builds the cascade it uses).
+through a ``MoveStarter`` (``kvtier.moves.starter.Starter``, which builds the cascade it uses).
 
 With tenant quotas (``kvtier.quotas``) the slots are asked for on behalf of one tenant
 (``owner``): a tenant at its quota makes room from its own pages first and gets no more than its

@@ -1,4 +1,4 @@
-"""Per-batch helpers of the engine core: bulk slot frees, growing prepare chunks."""
+"""Frees: the source slots of completed moves, given back to their tiers in bulk."""
 
 from __future__ import annotations
 
@@ -34,16 +34,3 @@ class Frees:
             slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
             place.free_slots(tier, key, slots, pool)
         self._slots.clear()
-
-
-def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in chunks of 2, 4, 8, ... times ``step`` items: the first two batches'
-    copies start at once (a lane launches the second while the first copies, so it never waits
-    on the caller's next chunk with its copy engine idle), and each later chunk is prepared
-    while the lanes copy the ones before it, in a handful of passes whatever ``n``."""
-    out, lo, size = [], 0, 2 * step
-    while lo < n:
-        out.append((lo, min(n, lo + size)))
-        lo += size
-        size *= 2
-    return out

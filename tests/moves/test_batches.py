@@ -83,7 +83,7 @@ def test_take_halves_the_end_of_a_final_queue_down_to_the_least() -> None:
 
 
 def test_batch_counters_count_bytes_of_successes_only() -> None:
-    from kvtier.completion import Completion
+    from kvtier.moves.completion import Completion
     from kvtier.placement import Placement
     from kvtier.stats import EngineCounters
 
@@ -103,7 +103,7 @@ def test_batch_counters_count_bytes_of_successes_only() -> None:
 
 
 def test_growing_chunks_start_with_two_batches_and_double() -> None:
-    from kvtier.batches import growing_chunks
+    from kvtier.moves.starter import growing_chunks
 
     assert growing_chunks(16, 1) == [(0, 2), (2, 6), (6, 14), (14, 16)]
     assert growing_chunks(3, 4) == [(0, 3)]
