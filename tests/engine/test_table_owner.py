@@ -37,6 +37,26 @@ def _targets(node: ast.AST) -> list[ast.expr]:
     return []
 
 
+MUTATORS = frozenset({"fill", "put", "sort", "itemset", "resize", "setfield"})
+
+
+def _mutating_call(node: ast.AST, aliases: set[str]) -> bool:
+    """``t.pins.fill(0)``, ``np.add.at(t.hits, rows, 1)``, ``np.copyto(t.slot, ...)``."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    func = node.func
+
+    def column(expr: ast.expr) -> bool:
+        return _is_column(expr) or (isinstance(expr, ast.Name) and expr.id in aliases)
+
+    if func.attr in MUTATORS and column(func.value):
+        return True
+    first = node.args[0] if node.args else None
+    ufunc_at = func.attr == "at" and isinstance(func.value, ast.Attribute)  # np.add.at(...)
+    into = func.attr in ("copyto", "put", "place", "putmask")  # np.copyto(column, ...)
+    return first is not None and (ufunc_at or into) and column(first)
+
+
 def column_writes(source: str) -> list[int]:
     """Lines that write a page-table column (directly, or through a local name bound to one)."""
     tree = ast.parse(source)
@@ -44,7 +64,7 @@ def column_writes(source: str) -> list[int]:
     for node in ast.walk(tree):  # ``pins = t.pins``: the name is the column
         if isinstance(node, ast.Assign) and _is_column(node.value):
             aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    lines = []
+    lines = [node.lineno for node in ast.walk(tree) if _mutating_call(node, aliases)]
     for node in ast.walk(tree):
         for target in _targets(node):
             base = target.value if isinstance(target, ast.Subscript) else target
@@ -86,8 +106,12 @@ def test_the_checker_sees_every_kind_of_write() -> None:
         "t.waiting = None\n"
         "opt.state[p] = {}\n"  # not the table
         "x = t.state[rows]\n"  # a read
+        "t.pins.fill(0)\n"
+        "np.add.at(core.table.hits, rows, 1)\n"
+        "np.copyto(t.slot, other)\n"
+        "np.add(t.hits, 1)\n"  # a read: the result is a new array
     )
-    assert column_writes(src) == [1, 2, 4, 5, 6]
+    assert column_writes(src) == [1, 2, 4, 5, 6, 9, 10, 11]
     named = "from kvtier.pagetable import S_GPU, EMPTY\nx = pagetable.S_UP\n"
     assert state_code_uses(named) == [1, 2]
     assert state_code_uses("stat.S_IMODE(mode)\n") == []
