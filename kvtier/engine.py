@@ -31,6 +31,7 @@ from kvtier.stats import EngineStats, TierStats
 from kvtier.tenants import admit_pool, tenant_stats
 from kvtier.tiers.device import DevicePool
 from kvtier.tiers.keyed import KeyedMedium
+from kvtier.transfer.gather import page, put_page
 from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_name, check_priority
 from kvtier.watermark import Watermarks
@@ -302,7 +303,7 @@ class TierEngine:
         if slots is None:
             raise FailedPrecondition(f"pool {pool_id} has no unpinned slot to write into")
         try:
-            _scatter_row(pool, slots[0], flat)
+            put_page(pool.segments, slots[0], flat)
         finally:
             self.release(pool_id, [page_id])
 
@@ -313,7 +314,7 @@ class TierEngine:
         if slots is None:
             raise FailedPrecondition(f"pool {pool_id} has no unpinned slot to read into")
         try:
-            return _gather_row(pool, slots[0]).cpu()
+            return page(pool.segments, slots[0]).cpu()
         finally:
             self.release(pool_id, [page_id])
 
@@ -401,18 +402,6 @@ class TierEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _gather_row(pool: Pool, slot: int) -> torch.Tensor:
-    return torch.cat([seg[slot] for seg in pool.segments])
-
-
-def _scatter_row(pool: Pool, slot: int, flat: torch.Tensor) -> None:
-    off = 0
-    for seg in pool.segments:
-        width = seg.shape[1]
-        seg[slot].copy_(flat[off : off + width])
-        off += width
 
 
 def configure_offload(config: OffloadConfig | None = None) -> TierEngine:

@@ -14,7 +14,8 @@ Contract (see ``kvtier.tiers.base``):
       (a free mask, a count and a lowest-free hint); ``num_free`` is O(1).
     * ``alloc(n) -> list | None`` and ``free(slots)``: the same on lists.
     * ``gather_rows(slots) -> [len, page_size]`` and ``scatter_rows(slots, src)`` copy whole pages
-      (the concatenation of each segment's row) on the pool's device.
+      (the concatenation of each segment's row) on the pool's device, through the one row copy
+      ``kvtier.transfer.gather`` (which the transfer handlers use too).
     * ``handle()`` -> ``PoolHandle``; ``open_handle(handle)`` maps it in another process as a
       ``[num_slots, page_size]`` tensor. ``close()`` drops the memory and closes the memfd;
       idempotent.
@@ -38,6 +39,7 @@ from kvtier.errors import FailedPrecondition, InvalidArgument
 from kvtier.tiers import memfd, sharing
 from kvtier.tiers.base import PoolHandle
 from kvtier.tiers.runs import as_slots, ascending
+from kvtier.transfer.gather import gather, scatter
 from kvtier.types import SlotIndex
 
 _MIN_SCAN = 1024  # mask bytes a take scans at least (one cheap numpy pass)
@@ -189,13 +191,7 @@ class DevicePool:
         idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         if out is None:
             out = torch.empty((len(slots), self.page_size), dtype=torch.uint8, device=self.device)
-        if len(self.segments) == 1:
-            return torch.index_select(self.segments[0], 0, idx, out=out)
-        off = 0
-        for seg in self.segments:
-            width = seg.shape[1]
-            out[:, off : off + width] = seg.index_select(0, idx)
-            off += width
+        gather(self.segments, idx, out)
         return out
 
     def scatter_rows(self, slots: Sequence[int], src: torch.Tensor) -> None:
@@ -206,11 +202,7 @@ class DevicePool:
         if src.shape != (len(slots), self.page_size):
             raise InvalidArgument("src", f"shape {tuple(src.shape)} != ({len(slots)}, page_size)")
         idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        off = 0
-        for seg in self.segments:
-            width = seg.shape[1]
-            seg.index_copy_(0, idx, src[:, off : off + width])
-            off += width
+        scatter(self.segments, idx, src)
 
     # ---- sharing and lifecycle -----------------------------------------------------------
     def handle(self) -> PoolHandle:

@@ -1,8 +1,10 @@
 """Row gather/scatter across a pool's segments (page ``i`` = row ``i`` of every segment, joined).
 
 One ``index_select`` (gather) or ``index_copy_`` (scatter) per segment, whatever the number
-of pages: the CPU-mode copies of one-segment pools. Pools of several segments go through
-``segtable.py`` (one launch for all segments on CUDA).
+of pages: the CPU-mode copies of one-segment pools, and ``DevicePool.gather_rows`` /
+``scatter_rows``. Pools of several segments go through ``segtable.py`` in the transfer handlers
+(one launch for all segments on CUDA). ``page``/``put_page`` copy one page (no index tensor:
+the engine's ``read``/``write``).
 """
 
 from __future__ import annotations
@@ -51,4 +53,18 @@ def scatter(segments: Sequence[torch.Tensor], idx: torch.Tensor, src: torch.Tens
             ws.index_copy_(0, idx, wp)
         else:
             seg.index_copy_(0, idx, part)
+        off += width
+
+
+def page(segments: Sequence[torch.Tensor], slot: int) -> torch.Tensor:
+    """A new ``[page_size]`` tensor holding page ``slot``, on the segments' device."""
+    return torch.cat([seg[slot] for seg in segments])
+
+
+def put_page(segments: Sequence[torch.Tensor], slot: int, flat: torch.Tensor) -> None:
+    """Page ``slot`` = ``flat`` (``page_size`` bytes, any device); other pages untouched."""
+    off = 0
+    for seg in segments:
+        width = seg.shape[1]
+        seg[slot].copy_(flat[off : off + width])
         off += width
