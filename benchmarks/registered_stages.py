@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import kvtier.moves.completion as completion
-import kvtier.prefix as prefix
+import kvtier.prefix.store as prefix
 import kvtier.scheduler as scheduler
 from kvtier import OffloadConfig, TierEngine
 

@@ -384,7 +384,7 @@ def _validate(c: OffloadConfig) -> None:
 
 
 def _validate_tenants(c: OffloadConfig) -> None:
-    from kvtier.quotas import parse_quotas
+    from kvtier.tenancy.quotas import parse_quotas
 
     try:
         parse_quotas(c.tenant_quotas)

@@ -1,10 +1,10 @@
 """Engine core: the placement of pages plus the lock, the lanes and the move machinery.
 
 Contract (every method here runs with ``self.cond`` held, except ``complete`` which takes it):
-    * ``EngineCore`` is a ``Placement`` (``kvtier.placement``: the page table, tiers, policies,
-      ledger; ``settle``/``unsettle``/``release``/``drop``/pins) that composes the pieces which
-      move pages (``kvtier.moves``), each built on the narrow things it uses, never on the
-      core: ``bulk`` (``moves/batch.py``: per-batch prepare/finish), ``completion``
+    * ``EngineCore`` is a ``Placement`` (``state/placement.py``: the page table, tiers,
+      policies, ledger; ``settle``/``unsettle``/``release``/``drop``/pins) that composes the
+      pieces which move pages (``kvtier.moves``), each built on the narrow things it uses,
+      never on the core: ``bulk`` (``moves/batch.py``: per-batch prepare/finish), ``completion``
       (``moves/completion.py``: what the lanes report), ``starts`` (``moves/starter.py``:
       ``offload`` / ``restore_cpu`` / ``restore_disk`` / ``cancel``) and the ``cascade`` it
       builds (``moves/demotion.py``: room below the GPU, walking the tier chain down).
@@ -33,9 +33,9 @@ from kvtier.moves.batch import BulkMoves
 from kvtier.moves.completion import Completion
 from kvtier.moves.landings import Landings
 from kvtier.moves.starter import INLINE_RESTORE_BYTES, Starter
-from kvtier.placement import Placement
-from kvtier.readiness import ReadyEvents
 from kvtier.scheduler import TransferScheduler
+from kvtier.state.placement import Placement
+from kvtier.state.ready import ReadyEvents
 from kvtier.tiers.pinned import HostArena
 from kvtier.tiers.registry import open_lower
 from kvtier.transfer import build_handlers, build_inline_restore
@@ -43,7 +43,7 @@ from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import PoolId, Tier
 
 if TYPE_CHECKING:
-    from kvtier.remote import RemoteTier
+    from kvtier.prefix.remote import RemoteTier
 
 
 class EngineCore(Placement):
@@ -62,7 +62,7 @@ class EngineCore(Placement):
         self.lower_name, lower = open_lower(config)  # the chain's medium below the CPU
         host = HostArena(config.cpu_budget_bytes, chunk, pin=cuda)
         super().__init__(config, host, lower)
-        self.remote: RemoteTier | None = None  # set by the engine (``kvtier.remote.open_remote``)
+        self.remote: RemoteTier | None = None  # set by the engine (``prefix.remote.open_remote``)
         self.ready = ReadyEvents(self.device)
         self.inline_restores = {
             str(d): build_inline_restore(d, self.host, INLINE_RESTORE_BYTES) for d in self.devices

@@ -3,8 +3,8 @@
 See ``kvtier/ENGINE_API.md`` for every primitive's contract. In short: pools of GPU slots per
 attached engine; pages that live on exactly one tier; ``acquire`` makes pages resident and pins
 them (restores go first); ``release`` unpins; offload/prefetch are hints; content-keyed prefix
-blocks are stored, looked up and loaded per tenant (``kvtier.prefix``). Every bad input raises a
-``kvtier.errors`` class before any state changes; a capacity shortfall returns ``None``.
+blocks are stored, looked up and loaded per tenant (``kvtier.prefix``). Every bad input raises
+a ``kvtier.errors`` class before any state changes; a capacity shortfall returns ``None``.
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ import torch
 from kvtier.config import OffloadConfig
 from kvtier.core import EngineCore
 from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
-from kvtier.events import Event, EventSubscription
-from kvtier.keyed_flush import flush_keyed
-from kvtier.pool import Pool
-from kvtier.prefix import PrefixStore
-from kvtier.remote import open_remote
-from kvtier.residency import Residency
+from kvtier.pages.access import Residency
+from kvtier.pages.watermark import Watermarks
+from kvtier.prefix.flush import flush_keyed
+from kvtier.prefix.remote import open_remote
+from kvtier.prefix.store import PrefixStore
+from kvtier.state.events import Event, EventSubscription
+from kvtier.state.pool import Pool
 from kvtier.stats import EngineStats, TierStats
-from kvtier.tenants import admit_pool, tenant_stats
+from kvtier.tenancy.views import admit_pool, tenant_stats
 from kvtier.tiers.device import DevicePool
 from kvtier.tiers.keyed import KeyedMedium
 from kvtier.transfer.gather import page, put_page
 from kvtier.types import PageId, PageState, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_name, check_priority
-from kvtier.watermark import Watermarks
 
 FLUSH_SHARE = 0.8  # of the close grace, for writing keyed CPU-tier pages to disk
 
@@ -166,7 +166,7 @@ class TierEngine:
     def _core_open(self) -> None:
         self._core.check_open()
 
-    # -- residency (kvtier/residency.py) --------------------------------------------------------
+    # -- residency (kvtier/pages/access.py) --------------------------------------------------------
     def allocate(
         self,
         pool_id: PoolId,
@@ -373,7 +373,7 @@ class TierEngine:
         return (medium.used_bytes, medium.capacity_bytes) if medium is not None else (0, 0)
 
     def close(self, grace: float = 10.0) -> None:
-        """Stop accepting work, write keyed CPU-tier pages to disk (``kvtier.keyed_flush``),
+        """Stop accepting work, write keyed CPU-tier pages to disk (``kvtier.prefix.flush``),
         finish transfers in flight, persist the disk index; all within about ``grace`` seconds."""
         core = self._core
         deadline = time.monotonic() + grace

@@ -1,4 +1,4 @@
-"""Prometheus series of the remote tier (``kvtier.remote``), read from one stats snapshot.
+"""Prometheus series of the remote tier (``kvtier.prefix.remote``), read from one stats snapshot.
 
 Exported whether or not a remote tier is configured (``kvtier_remote_enabled`` 0, counters 0),
 so dashboards and alerts see every series; every label value a counter can take is exported at 0.
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.remote import RemoteStats
+from kvtier.prefix.remote import RemoteStats
 
 REMOTE_METRIC_NAMES = (
     "kvtier_remote_enabled", "kvtier_remote_up", "kvtier_remote_bytes_total",

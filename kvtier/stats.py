@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvtier.types import Direction, Tier
 
 if TYPE_CHECKING:
-    from kvtier.remote import RemoteStats
+    from kvtier.prefix.remote import RemoteStats
 
 
 RATE_WEIGHT = 0.25  # of the newest batch in the moving averages behind ``bytes_per_s``

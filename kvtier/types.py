@@ -22,7 +22,7 @@ class Tier(enum.IntEnum):
     GPU = 0
     CPU = 1
     DISK = 2
-    REMOTE = 3  # a shared keyed store (``kvtier.remote``): keyed pages only, never a page's home
+    REMOTE = 3  # a shared keyed store (``prefix/remote.py``): keyed pages only, never a home
 
 
 class PageState(enum.Enum):

@@ -28,7 +28,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from kvtier.errors import CapacityError
-from kvtier.events import Event
+from kvtier.state.events import Event
 
 log = logging.getLogger(__name__)
 MAX_WATCHES = 1024  # open streams of all tenants together

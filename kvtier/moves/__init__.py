@@ -1,5 +1,5 @@
 """Moving pages between the tiers of the chain: the two-phase moves, in the order a page meets
-them. Everything here runs under the engine lock and stands on ``kvtier.placement`` (the page
+them. Everything here runs under the engine lock and stands on ``kvtier.state.placement`` (the page
 table, tiers, policies); nothing here imports the engine core, which composes these pieces.
 
     * ``starter.py`` ``Starter``: queues moves (``offload``, ``restore_cpu``, ``restore_disk``,

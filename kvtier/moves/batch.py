@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.events import Event
 from kvtier.moves.frees import Frees
-from kvtier.pagetable import by_value
-from kvtier.placement import Placement
-from kvtier.readiness import ReadyEvents
+from kvtier.state.events import Event
+from kvtier.state.placement import Placement
+from kvtier.state.ready import ReadyEvents
+from kvtier.state.table import by_value
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 
 if TYPE_CHECKING:
-    from kvtier.pool import Pool
+    from kvtier.state.pool import Pool
 
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
 

@@ -23,7 +23,7 @@ import numpy as np
 from kvtier.moves.batch import BulkMoves
 from kvtier.moves.frees import Frees
 from kvtier.moves.landings import Landings
-from kvtier.placement import Placement
+from kvtier.state.placement import Placement
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction
 

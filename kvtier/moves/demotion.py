@@ -10,7 +10,7 @@ a restore is waiting for. Drops are published as events. Runs under the engine l
 The cascade stands on the placement (tiers, policies, ledger) and queues its moves down
 through a ``MoveStarter`` (``kvtier.moves.starter.Starter``, which builds the cascade it uses).
 
-With tenant quotas (``kvtier.quotas``) the slots are asked for on behalf of one tenant
+With tenant quotas (``kvtier.tenancy.quotas``) the slots are asked for on behalf of one tenant
 (``owner``): a tenant at its quota makes room from its own pages first and gets no more than its
 quota allows; room in a full tier comes only from the requester's own pages and from tenants
 over their quota (or without one), never from a tenant within its quota. Without quotas every
@@ -23,9 +23,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvtier.pagetable import EMPTY, by_value
-from kvtier.placement import Placement
 from kvtier.policy.base import RowFilter
+from kvtier.state.placement import Placement
+from kvtier.state.table import EMPTY, by_value
 from kvtier.types import Direction, PageId, PageMeta, Tier
 
 

@@ -9,8 +9,8 @@ import numpy as np
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
-    from kvtier.placement import Placement
-    from kvtier.pool import Pool
+    from kvtier.state.placement import Placement
+    from kvtier.state.pool import Pool
 
 
 class Frees:

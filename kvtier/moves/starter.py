@@ -30,14 +30,14 @@ from kvtier.moves.completion import Completion
 from kvtier.moves.demotion import Cascade
 from kvtier.moves.frees import Frees
 from kvtier.moves.landings import Landings
-from kvtier.pagetable import by_value
-from kvtier.placement import Placement
 from kvtier.scheduler import TransferScheduler
+from kvtier.state.placement import Placement
+from kvtier.state.table import by_value
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.types import Direction, Tier
 
 if TYPE_CHECKING:
-    from kvtier.pool import Pool
+    from kvtier.state.pool import Pool
 
 log = logging.getLogger(__name__)
 INLINE_RESTORE_BYTES = 8 << 20  # urgent restores up to this size run on the caller's thread

@@ -1,7 +1,7 @@
 """Key-addressed media: stores of opaque values under opaque keys, shared or not.
 
-A keyed medium knows nothing of pages, tenants, secrets or formats: ``kvtier.remote`` gives it
-store keys and framed values (``kvtier.tiers.frame``) and checks every value it gets back.
+A keyed medium knows nothing of pages, tenants, secrets or formats: ``kvtier.prefix.remote``
+gives it store keys and framed values (``kvtier.tiers.frame``) and checks every value it gets back.
 
 Contract of :class:`KeyedMedium` (every method takes a batch and is safe from any thread):
     * ``put_many(items, ttl_s) -> int``: writes every ``(key, value)``; returns how many were

@@ -84,7 +84,7 @@ def test_take_halves_the_end_of_a_final_queue_down_to_the_least() -> None:
 
 def test_batch_counters_count_bytes_of_successes_only() -> None:
     from kvtier.moves.completion import Completion
-    from kvtier.placement import Placement
+    from kvtier.state.placement import Placement
     from kvtier.stats import EngineCounters
 
     core = Placement.__new__(Placement)  # only the counters are needed

@@ -6,7 +6,7 @@ import pytest
 
 from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
-from kvtier.quotas import Quota, parse_quotas
+from kvtier.tenancy.quotas import Quota, parse_quotas
 
 
 def test_parse_quotas_entries_units_and_default():

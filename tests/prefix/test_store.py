@@ -1,4 +1,4 @@
-"""kvtier/prefix.py primitives: the tenant salt (persisted in disk records: must never change)
+"""kvtier/prefix/store.py primitives: the tenant salt (persisted in disk records: must never change)
 and how stores and loads are cut into chunks."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from kvtier.prefix import FIRST_CHUNK, _tenant_key, chunk_sizes, salt_key
+from kvtier.prefix.store import FIRST_CHUNK, _tenant_key, chunk_sizes, salt_key
 
 
 def test_salt_key_is_the_keyed_blake2b_of_the_block_key() -> None:

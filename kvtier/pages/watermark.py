@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from kvtier.core import EngineCore
-from kvtier.pool import Pool
+from kvtier.state.pool import Pool
 from kvtier.types import Tier
 
 PERSIST_EVERY_S = 2.0

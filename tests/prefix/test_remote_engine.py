@@ -189,7 +189,7 @@ def test_a_full_write_queue_drops_and_counts(tmp_path):
 
 def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pair):
     from kvtier.prefix import salt_key
-    from kvtier.prefix_remote import land, stage
+    from kvtier.prefix.shared import land, stage
 
     _, (a, b) = pair
     (pool_a, slots_a), _ = stored_blocks(a, "t", 1)

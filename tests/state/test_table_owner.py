@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 import kvtier
-from kvtier import pagetable
+from kvtier.state import table as pagetable
 
 PACKAGE = Path(kvtier.__file__).parent
 COLUMNS = frozenset(pagetable._COLUMNS)
@@ -81,10 +81,10 @@ def state_code_uses(source: str) -> list[int]:
     """Lines that import or name a state code of the table (``S_GPU``, ``STATE_OF_TIER``)."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module == "kvtier.pagetable":
+        if isinstance(node, ast.ImportFrom) and node.module == "kvtier.state.table":
             named = any("S_" in alias.name or "STATE" in alias.name for alias in node.names)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            named = node.value.id == "pagetable" and "S_" in node.attr  # ``pagetable.S_GPU``
+            named = node.value.id in ("pagetable", "table") and "S_" in node.attr  # ``table.S_GPU``
         else:
             named = False
         if named:
@@ -112,7 +112,7 @@ def test_the_checker_sees_every_kind_of_write() -> None:
         "np.add(t.hits, 1)\n"  # a read: the result is a new array
     )
     assert column_writes(src) == [1, 2, 4, 5, 6, 9, 10, 11]
-    named = "from kvtier.pagetable import S_GPU, EMPTY\nx = pagetable.S_UP\n"
+    named = "from kvtier.state.table import S_GPU, EMPTY\nx = pagetable.S_UP\n"
     assert state_code_uses(named) == [1, 2]
     assert state_code_uses("stat.S_IMODE(mode)\n") == []
 

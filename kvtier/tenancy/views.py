@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.errors import CapacityError
-from kvtier.quotas import DIRECTIONS
 from kvtier.stats import EngineCounters, EngineStats, TierStats
+from kvtier.tenancy.quotas import DIRECTIONS
 from kvtier.types import Tier
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from kvtier import TierEngine
 from kvtier.errors import PageLost
 from kvtier.types import Tier
 from tests.conftest import PAGE, small_config
-from tests.engine.test_quotas import ledger_matches_table
+from tests.tenancy.test_quotas import ledger_matches_table
 
 SLOTS, CPU_PAGES, DISK_PAGES = 4, 8, 48
 QUOTAS = {"a": (3, 12), "b": (3, 24)}  # tenant -> (CPU pages, disk pages)

@@ -25,8 +25,8 @@ from kvtier.errors import (
     NotFound,
     PageLost,
 )
-from kvtier.pagetable import EMPTY, ROW_BITS
-from kvtier.pool import Pool
+from kvtier.state.pool import Pool
+from kvtier.state.table import EMPTY, ROW_BITS
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_priority
 

@@ -21,7 +21,7 @@ Contract:
       takes it).
     * A row with ``pool == 0`` is a *keyed* page (a stored prefix block) owned by a tenant; keyed
       pages live in the CPU and disk tiers only and carry a (salted) content key.
-    * ``owner`` is the page's tenant (an id of ``kvtier.quotas.TenantLedger``), set when the
+    * ``owner`` is the page's tenant (an id of ``kvtier.tenancy.quotas.TenantLedger``), set when the
       row is created and never changed: the per-tenant byte counts follow it.
     * Callers pass rows as int64 arrays of *distinct* rows (``unique`` makes them so); every
       operation is one numpy pass per column, never a Python loop per page.

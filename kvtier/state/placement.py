@@ -24,14 +24,14 @@ import numpy as np
 
 from kvtier.config import OffloadConfig
 from kvtier.errors import NotFound, Unavailable
-from kvtier.events import Event, EventHub
-from kvtier.pagetable import PageTable, by_value
 from kvtier.policy.admission import create_admission
 from kvtier.policy.base import NO_META, RowMeta, RowPolicy
 from kvtier.policy.registry import create_row_policy
-from kvtier.pool import Pool
-from kvtier.quotas import TenantLedger, parse_quotas
+from kvtier.state.events import Event, EventHub
+from kvtier.state.pool import Pool
+from kvtier.state.table import PageTable, by_value
 from kvtier.stats import EngineCounters
+from kvtier.tenancy.quotas import TenantLedger, parse_quotas
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.pinned import HostArena
 from kvtier.types import PoolId, Tier

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.pagetable import EMPTY, by_value
+from kvtier.state.table import EMPTY, by_value
 from kvtier.types import Direction, Tier
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ Contract:
       miss); ``load`` copies that prefix into the given slots, restoring disk blocks through CPU
       first, and returns how many leading blocks it loaded. A block whose bytes fail their checksum
       ends the prefix: a hit is exactly the stored bytes, or a miss.
-    * With a remote tier (``kvtier.remote``), stored blocks are also written behind to it (per its
-      admission rule); ``lookup`` and ``load`` look there, outside the engine lock, past the end
+    * With a remote tier (``prefix/remote.py``), stored blocks are also written behind to it (per
+      its admission rule); ``lookup`` and ``load`` look there, outside the engine lock, past the end
       of the local prefix: a lookup answers ``Tier.REMOTE`` for those blocks, a load lands them
       in the CPU tier first (like a disk hit). A store fault is a local-only answer.
 """
@@ -34,9 +34,9 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
-from kvtier.pagetable import EMPTY
-from kvtier.pool import Pool
-from kvtier.prefix_remote import Held, Staged, hold, land, offer, stage, unstage
+from kvtier.prefix.shared import Held, Staged, hold, land, offer, stage, unstage
+from kvtier.state.pool import Pool
+from kvtier.state.table import EMPTY
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PageState, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots

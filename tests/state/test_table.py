@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.errors import NotFound
-from kvtier.pagetable import _S_NONE as S_NONE  # the table's own code for "no page"
-from kvtier.pagetable import ROW_BITS, PageTable, by_value
+from kvtier.state.table import _S_NONE as S_NONE  # the table's own code for "no page"
+from kvtier.state.table import ROW_BITS, PageTable, by_value
 from kvtier.types import PoolId, Tier
 
 POOL = PoolId(7)
