@@ -10,7 +10,7 @@ weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
   the GPU is the bottleneck, the Python launch overhead is hidden).
 - ``kvtier-cpu``: restore the stored prefix from kvtier's pinned CPU tier straight into a static
   KV buffer (``ConversationStore.restore_into``), then prefill the new tokens with a captured
-  CUDA graph (``kvtier.client.hf_static.StaticPrefill``).
+  CUDA graph (``kvtier.integrations.transformers.static.StaticPrefill``).
 - ``kvtier-disk``: the same with a CPU budget too small for the trace, so prefixes come from disk.
 - ``kvtier-cpu-eager``: restore into a ``DynamicCache`` and prefill with transformers' eager
   forward (what the graph saves).
@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvtier.client.hf_cache import ConversationStore, KVLayout
-from kvtier.client.hf_static import StaticPrefill
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import OffloadConfig, TierEngine
+from kvtier.integrations.transformers.cache import ConversationStore, KVLayout
+from kvtier.integrations.transformers.static import StaticPrefill
 
 GIB = 1024**3
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kvtier.client._vllm_pages import block_segments
+from kvtier.client.block_rows import block_segments
 
 import kvtier.transfer.segtable as segtable
 from kvtier import OffloadConfig, TierEngine

@@ -36,7 +36,7 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("kvtier"):
         args["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.client.vllm_connector",
+            "kv_connector_module_path": "kvtier.integrations.vllm.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": spec["kvtier"],

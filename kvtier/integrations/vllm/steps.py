@@ -23,12 +23,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from ._backend import ClientBackend
-from ._vllm_identity import Rank, rank_keys
-from ._vllm_link import DaemonLink
-from ._vllm_pages import BlockRows
-from ._vllm_sched import BlockTransfer
-from ._vllm_worker import BlockMover, MoverCounters
+from kvtier.client._backend import ClientBackend
+from kvtier.client.block_mover import BlockMover, MoverCounters
+from kvtier.client.block_rows import BlockRows
+
+from .identity import Rank, rank_keys
+from .link import DaemonLink
+from .plan import BlockTransfer
 
 
 def safe_length(t: BlockTransfer, tainted: set[int]) -> int:

@@ -16,8 +16,8 @@ blocks kvtier already holds. Contract with vLLM's scheduler (``KVConnectorBase_V
 
 Keys are vLLM's own block hashes re-keyed into our namespace when they are reproducible across
 processes; otherwise chained hashes of the token ids. Either way the namespace is the engine's
-(``_vllm_identity.engine_namespace``) plus the request's salt (LoRA adapter, ``cache_salt``,
-multimodal inputs: ``_vllm_identity.request_salt``), so nothing that changes KV for the same
+(``identity.engine_namespace``) plus the request's salt (LoRA adapter, ``cache_salt``,
+multimodal inputs: ``identity.request_salt``), so nothing that changes KV for the same
 tokens is left out on any path.
 """
 
@@ -27,18 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._blocks import chain_keys, namespace, rekey
-from ._vllm_identity import request_salt
+from kvtier.client._blocks import chain_keys, namespace, rekey
+from kvtier.client.block_mover import BlockTransfer
 
-
-@dataclass(slots=True)
-class BlockTransfer:
-    """Copy ``len(keys)`` pages between kvtier (by key) and vLLM blocks (by id), in order."""
-
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-    prefix_ids: list[int] = field(default_factory=list)  # the chain's blocks before block_ids
+from .identity import request_salt
 
 
 @dataclass(slots=True)

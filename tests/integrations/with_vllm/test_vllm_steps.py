@@ -15,11 +15,12 @@ import pytest
 import torch
 from conftest import start_daemon, stop_daemon
 from kvtier.client import connect
-from kvtier.client._vllm_identity import Rank, rank_keys
-from kvtier.client._vllm_link import DaemonLink
-from kvtier.client._vllm_pages import BlockRows, block_segments
-from kvtier.client._vllm_sched import BlockTransfer
-from kvtier.client._vllm_steps import WorkerSteps
+from kvtier.client.block_mover import BlockTransfer
+from kvtier.client.block_rows import BlockRows, block_segments
+
+from kvtier.integrations.vllm.identity import Rank, rank_keys
+from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.steps import WorkerSteps
 
 BS = 4
 log = logging.getLogger("test.vllm.steps")

@@ -3,7 +3,7 @@
 Load it with::
 
     kv_transfer_config={"kv_connector": "KVTierConnector",
-                        "kv_connector_module_path": "kvtier.client.vllm_connector",
+                        "kv_connector_module_path": "kvtier.integrations.vllm.connector",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"address": "unix:///run/kvtier.sock",
                                                       "tenant": "team-a"}}
@@ -60,11 +60,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ._vllm_identity import Rank, all_rank_keys, engine_namespace
-from ._vllm_link import DaemonLink
-from ._vllm_pages import BlockRows, block_segments
-from ._vllm_sched import BlockTransfer, LoadStorePlanner
-from ._vllm_steps import WorkerSteps
+from kvtier.client.block_rows import BlockRows, block_segments
+
+from .identity import Rank, all_rank_keys, engine_namespace
+from .link import DaemonLink
+from .plan import BlockTransfer, LoadStorePlanner
+from .steps import WorkerSteps
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +175,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # --- shared -----------------------------------------------------------------------------
     def _connect(self) -> Any:
-        from .sync import connect
+        from kvtier.client.sync import connect
 
         o = self._opts
         return connect(o.address, tenant=o.tenant, token=o.token or None, timeout=o.timeout,

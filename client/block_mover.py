@@ -1,12 +1,14 @@
-"""Worker side of the vLLM connector: copy planned blocks between vLLM's KV tensors and kvtier.
+"""The block mover the integrations share: copy blocks between an engine's KV tensors and kvtier.
 
+``BlockTransfer(req_id, keys, block_ids, prefix_ids)``: pages by key <-> engine blocks by id.
 ``BlockMover(backend, rows, register=...)``:
 
-- ``register=True``: vLLM's KV memory is registered with kvtier (CUDA IPC); slots are block ids
-  and the daemon copies directly. ``register=False`` (CPU, or memory the daemon can't map): a small
-  staging pool in daemon memory; blocks are copied through it in chunks of ``staging_slots``.
+- ``register=True``: the engine's KV memory is registered with kvtier (CUDA IPC); slots are
+  block ids and the daemon copies directly. ``register=False`` (CPU, or memory the daemon can't
+  map): a small staging pool in daemon memory; blocks are copied through it in chunks of
+  ``staging_slots``.
 - ``load(t) -> int``: leading blocks of ``t`` now holding exactly the stored bytes. Blocks after
-  that were not written and must be recomputed (the connector reports them as invalid).
+  that were not written and must be recomputed (the vLLM connector reports them as invalid).
 - ``store(t) -> int``: blocks stored (already-present keys count); a shortfall is not an error.
 - Errors of the daemon (away, restarted: the pool is gone) pass through; the caller re-attaches.
 
@@ -15,13 +17,22 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ._backend import Backend, round_page
-from ._vllm_pages import BlockRows
-from ._vllm_sched import BlockTransfer
+from .block_rows import BlockRows
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Copy ``len(keys)`` pages between kvtier (by key) and engine blocks (by id), in order."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    prefix_ids: list[int] = field(default_factory=list)  # the chain's blocks before block_ids
 
 
 @dataclass(slots=True)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from kvtier.client._backend import as_backend
 from kvtier.client._blocks import chain_keys
-from kvtier.client._vllm_pages import BlockRows, block_segments
-from kvtier.client._vllm_sched import BlockTransfer, LoadStorePlanner
-from kvtier.client._vllm_worker import BlockMover
+from kvtier.client.block_mover import BlockMover
+from kvtier.client.block_rows import BlockRows, block_segments
 
 from kvtier import OffloadConfig, TierEngine
+from kvtier.integrations.vllm.plan import BlockTransfer, LoadStorePlanner
 
 BS = 4
 
