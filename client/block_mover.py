@@ -10,6 +10,11 @@
 - ``load(t) -> int``: leading blocks of ``t`` now holding exactly the stored bytes. Blocks after
   that were not written and must be recomputed (the vLLM connector reports them as invalid).
 - ``store(t) -> int``: blocks stored (already-present keys count); a shortfall is not an error.
+  It reads the blocks as they are when called (the caller waits for the engine's writes first).
+- ``stage(keys) -> Staged`` / ``unstage``: staging mode only, the load's first half — blocks
+  into staging slots, which the caller copies out as it likes (e.g. layer by layer).
+- Loads and stores may run on two threads at once (the client is thread-safe); loads update only
+  the ``load_*`` counters, stores only the ``store_*`` ones.
 - Errors of the daemon (away, restarted: the pool is gone) pass through; the caller re-attaches.
 
 ``MoverCounters`` are plain numbers; the connector logs them and can write them to a file.
@@ -36,6 +41,16 @@ class BlockTransfer:
 
 
 @dataclass(slots=True)
+class Staged:
+    """Pages of the staging pool holding loaded blocks: ``rows`` is ``[got, page_size]``."""
+
+    ids: list[int]
+    slots: list[int]
+    got: int
+    rows: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class MoverCounters:
     loaded_blocks: int = 0
     load_failed_blocks: int = 0
@@ -44,7 +59,7 @@ class MoverCounters:
     load_calls: int = 0
     store_calls: int = 0
     unsafe_store_blocks: int = 0  # not stored: an earlier block of the chain failed to load
-    attaches: int = 0  # pools attached or registered (more than 1: re-attached after an outage)
+    attaches: int = 0  # times its owner attached (more than 1: re-attached after an outage)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -62,7 +77,6 @@ class BlockMover:
             self._staging = backend.attach(min(staging_slots, rows.num_blocks),
                                            round_page(rows.page_bytes))
             self._pool = self._staging.handle
-        self.counters.attaches += 1
 
     def close(self) -> None:
         self.backend.detach(self._pool)
@@ -78,16 +92,51 @@ class BlockMover:
         return got
 
     def store(self, t: BlockTransfer) -> int:
+        """Store ``t``'s blocks as they are now: on CUDA the caller first waits for the writes
+        (an event of the stream that wrote them, or a synchronize)."""
         self.counters.store_calls += 1
         if self._registered:
-            if self.rows.segments[0].is_cuda:
-                torch.cuda.synchronize(self.rows.segments[0].device)
             got = self.backend.store(self._pool, t.keys, t.block_ids)
         else:
             got = self._chunked(t, self._store_chunk)
         self.counters.stored_blocks += got
         self.counters.store_failed_blocks += len(t.keys) - got
         return got
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    @property
+    def staging_slots(self) -> int:
+        """Blocks one ``stage`` call may take (0 when registered: nothing is staged)."""
+        return 0 if self._registered else self._staging.num_slots
+
+    def stage(self, keys: list[bytes]) -> Staged:
+        """Load ``keys`` (at most ``staging_slots``) into staging slots, for the caller to copy
+        out (``Staged.rows``) before ``unstage``. ``got``: the leading keys that loaded."""
+        b, st = self.backend, self._staging
+        pages = b.allocate(st.handle, len(keys))
+        if pages is None:
+            return Staged([], [], 0, None)
+        ids, slots = [p for p, _ in pages], [s for _, s in pages]
+        try:
+            got = b.load(st.handle, keys, slots)
+        except BaseException:
+            self._drop(ids)
+            raise
+        rows = None
+        if got:
+            rows = st.rows.index_select(0, torch.tensor(slots[:got], device=st.rows.device))
+        return Staged(ids, slots, got, rows)
+
+    def unstage(self, staged: Staged) -> None:
+        if staged.ids:
+            self._drop(staged.ids)
+
+    def _drop(self, ids: list[int]) -> None:
+        self.backend.release(self._staging.handle, ids)
+        self.backend.free(self._staging.handle, ids)
 
     def _chunked(self, t: BlockTransfer, op: object) -> int:
         step, done = self._staging.num_slots, 0
@@ -100,20 +149,13 @@ class BlockMover:
         return done
 
     def _load_chunk(self, keys: list[bytes], blocks: list[int]) -> int:
-        b, st = self.backend, self._staging
-        pages = b.allocate(st.handle, len(keys))
-        if pages is None:
-            return 0
-        ids, slots = [p for p, _ in pages], [s for _, s in pages]
+        staged = self.stage(keys)
         try:
-            got = b.load(st.handle, keys, slots)
-            if got:
-                idx = torch.tensor(slots[:got], device=st.rows.device)
-                self.rows.scatter(blocks[:got], st.rows.index_select(0, idx))
-            return got
+            if staged.rows is not None:
+                self.rows.scatter(blocks[: staged.got], staged.rows)
+            return staged.got
         finally:
-            b.release(st.handle, ids)
-            b.free(st.handle, ids)
+            self.unstage(staged)
 
     def _store_chunk(self, keys: list[bytes], blocks: list[int]) -> int:
         b, st = self.backend, self._staging
@@ -127,8 +169,8 @@ class BlockMover:
             self.rows.gather(blocks, tmp)
             st.rows.index_copy_(0, torch.tensor(slots, device=st.rows.device),
                                 tmp.to(st.rows.device))
-            if st.rows.is_cuda:
-                torch.cuda.synchronize(st.rows.device)
+            if st.rows.is_cuda:  # this thread's copies, not the whole device
+                torch.cuda.current_stream(st.rows.device).synchronize()
             return b.store(st.handle, keys, slots)
         finally:
             b.release(st.handle, ids)

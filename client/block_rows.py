@@ -6,7 +6,9 @@ Primitives (no vLLM import; unit-testable on plain tensors):
   views (one per leading K/V index when the block dim is not first). Requires each block's bytes
   within a layer to be contiguous, which holds for every paged layout vLLM uses.
 - :class:`BlockRows` — the segments of all layers with ``gather(block_ids) -> [n, page_bytes]``
-  and ``scatter(block_ids, rows)``: the copy path used when the daemon can't map vLLM's memory.
+  and ``scatter(block_ids, rows, segments=None)``: the copy path used when the daemon can't map
+  vLLM's memory; ``segments`` (a range of segment indices, e.g. one layer's) scatters only those
+  segments' columns of ``rows`` (segment ``i`` is columns ``offsets[i] : offsets[i] + widths[i]``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class BlockRows:
         self.segments = list(segments)
         self.num_blocks = self.segments[0].shape[0]
         self.widths = [s.shape[1] for s in self.segments]
+        self.offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
         self.page_bytes = sum(self.widths)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
@@ -68,10 +71,11 @@ class BlockRows:
             out[: len(block_ids), off : off + w].copy_(seg.index_select(0, idx))
             off += w
 
-    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
-        """Copy ``rows[i, :page_bytes]`` into block ``block_ids[i]`` of every layer."""
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor,
+                segments: range | None = None) -> None:
+        """Copy ``rows[i, :page_bytes]`` into block ``block_ids[i]`` of every layer (of the
+        ``segments`` given, else of all)."""
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.segments[0].device)
-        off = 0
-        for seg, w in zip(self.segments, self.widths, strict=True):
+        for i in segments if segments is not None else range(len(self.segments)):
+            seg, off, w = self.segments[i], self.offsets[i], self.widths[i]
             seg.index_copy_(0, idx, rows[:, off : off + w].to(seg.device))
-            off += w

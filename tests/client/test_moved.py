@@ -13,6 +13,7 @@ def test_old_transformers_paths_are_the_new_modules() -> None:
     pytest.importorskip("transformers")
     import kvtier.client.hf_cache as old_cache
     import kvtier.client.hf_static as old_static
+
     from kvtier.integrations.transformers import cache, static
 
     assert old_cache is cache and old_static is static
