@@ -72,6 +72,22 @@ def _request(spec: dict[str, Any], prompt: Any) -> tuple[dict[str, Any], Any]:
     return req, lora
 
 
+def _reset_prefix_cache(llm: Any) -> None:
+    """Empty vLLM's own prefix cache. With the connector's async stores a finished request's
+    blocks stay held until its stores end (vLLM frees them once ``get_finished`` reports it, in
+    a later engine step), and vLLM refuses to reset while any block is held: step the engine
+    until they are freed. An in-process engine core only steps when asked; a background one
+    steps by itself while requests wait for their stores."""
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    deadline = time.monotonic() + 60
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise TimeoutError("vLLM's prefix cache never emptied: blocks still held")
+        if in_process:
+            llm.llm_engine.step()
+        time.sleep(0.01)
+
+
 def main(path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -82,7 +98,7 @@ def main(path: str) -> None:
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = []
     for i, phase in enumerate(spec["phases"]):
-        llm.reset_prefix_cache()
+        _reset_prefix_cache(llm)
         for prompt in phase:  # one at a time: later prompts of a phase may reuse earlier ones
             req, lora = _request(spec, prompt)
             res = llm.generate([req], params, use_tqdm=False, lora_request=lora)
