@@ -96,7 +96,7 @@ def test_async_stores_delay_the_finish_and_lookups_wait_for_them() -> None:
     _, stores = p.build([nr], cached(), {"a": 13}, {})
     assert stores == [BlockTransfer("a", keys[:3], [1, 2, 3], [])]
     # Another request with the same prefix while a's stores are in flight: ask again later.
-    b = FakeRequest("b", tokens[:12] + [77])
+    b = FakeRequest("b", [*tokens[:12], 77])
     assert p.matched_tokens(b, 0) is None
     stored.update(keys[:2])  # two of the three have landed
     assert p.matched_tokens(b, 0) is None
