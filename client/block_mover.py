@@ -42,7 +42,7 @@ class BlockTransfer:
 
 @dataclass(slots=True)
 class Staged:
-    """Pages of the staging pool holding loaded blocks: ``rows`` is ``[got, page_size]``."""
+    """Pages of the staging pool holding loaded blocks: ``rows`` is ``[got, page_bytes]``."""
 
     ids: list[int]
     slots: list[int]
@@ -126,8 +126,9 @@ class BlockMover:
             self._drop(ids)
             raise
         rows = None
-        if got:
-            rows = st.rows.index_select(0, torch.tensor(slots[:got], device=st.rows.device))
+        if got:  # [got, page_bytes], contiguous: what BlockRows.scatter copies in one launch
+            idx = torch.tensor(slots[:got], device=st.rows.device)
+            rows = st.rows[:, : self.rows.page_bytes].index_select(0, idx)
         return Staged(ids, slots, got, rows)
 
     def unstage(self, staged: Staged) -> None:
@@ -164,11 +165,11 @@ class BlockMover:
             return 0
         ids, slots = [p for p, _ in pages], [s for _, s in pages]
         try:
-            tmp = torch.zeros(len(keys), st.page_size, dtype=torch.uint8,
-                              device=self.rows.segments[0].device)
+            tmp = torch.empty(len(keys), self.rows.page_bytes, dtype=torch.uint8,
+                              device=self.rows.device)
             self.rows.gather(blocks, tmp)
-            st.rows.index_copy_(0, torch.tensor(slots, device=st.rows.device),
-                                tmp.to(st.rows.device))
+            st.rows[:, : self.rows.page_bytes].index_copy_(
+                0, torch.tensor(slots, device=st.rows.device), tmp.to(st.rows.device))
             if st.rows.is_cuda:  # this thread's copies, not the whole device
                 torch.cuda.current_stream(st.rows.device).synchronize()
             return b.store(st.handle, keys, slots)
