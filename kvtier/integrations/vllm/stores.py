@@ -10,9 +10,11 @@
   every request of this or an earlier call with no store left in flight; each exactly once.
 - ``reap() -> list[BaseException]``: errors of finished jobs since the last call (the caller
   re-attaches); never raises.
-- ``flush(timeout_s)``: wait until every submitted job has ended (preempted requests' blocks are
-  about to be reused). ``close()``: flush (bounded by ``timeout_s``), then stop the thread; jobs
-  still queued after the bound are dropped (a store that never ran is a later miss, never wrong).
+- ``flush()``: wait until every submitted job has ended, without a bound of its own (preempted
+  requests' blocks are about to be reused: no store may still read them; each store call is
+  bounded by the client's deadline). ``close()``: wait at most ``timeout_s``, then stop the
+  thread; jobs still queued then are dropped (a store that never ran is a later miss, never
+  wrong).
 
 A failed or dropped store is only a miss: the blocks it covers hold real KV, and a later block
 stored without it is unreachable until it is stored again (lookups stop at the first missing key).
@@ -86,16 +88,17 @@ class StoreQueue:
         return done
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait for every submitted job; ``False`` if some were still running at the bound."""
+        """Wait for every submitted job (at most ``timeout_s`` if given); ``False`` if some were
+        still running at the bound."""
         futures = [f for _, f in self._jobs]
         if futures:
-            wait_all(futures, timeout=self._timeout_s if timeout_s is None else timeout_s)
+            wait_all(futures, timeout=timeout_s)
         self._collect()
         return not self._jobs
 
     def close(self) -> bool:
-        """Flush within the bound, then stop; ``True`` if nothing was left in flight."""
-        clean = self.flush()
+        """Flush within ``timeout_s``, then stop; ``True`` if nothing was left in flight."""
+        clean = self.flush(self._timeout_s)
         self._closed.set()  # queued jobs not yet started are dropped
         self._pool.shutdown(wait=clean, cancel_futures=True)
         return clean
