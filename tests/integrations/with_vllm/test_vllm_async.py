@@ -129,8 +129,13 @@ def test_stores_end_off_the_step_and_finished_requests_are_reported_once(daemon:
     w.end([BlockTransfer("a", KEYS[:2], [0, 1]), BlockTransfer("b", KEYS[4:5], [4])])
     assert not stored.is_set()  # the step did not wait for its stores
     assert w.finished({"a", "idle"}) == {"idle"}  # "a" still has a store in flight
+    flush = threading.Thread(target=w.flush_stores)  # a preemption: blocks about to be reused
+    flush.start()
+    flush.join(0.5)
+    assert flush.is_alive()  # it waits for the store in flight
     release.set()
-    w.flush_stores()
+    flush.join(30)
+    assert not flush.is_alive() and stored.is_set()
     assert held(daemon, KEYS[:2]) == 2 and held(daemon, KEYS[4:5]) == 1
     assert w.finished(set()) == {"a"}  # reported once its stores ended
     assert w.finished({"b"}) == {"b"} and w.finished({"x"}) == {"x"}
