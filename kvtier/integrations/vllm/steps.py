@@ -102,19 +102,23 @@ class WorkerSteps:
     def mover(self) -> BlockMover | None:
         """The attached mover, attaching first if the daemon may be back; ``None`` if away."""
         if self._mover is None and self.link.ready():
+            mover: BlockMover | None = None
             try:
                 backend = ClientBackend(self.link.client())
                 mover = BlockMover(backend, self.rows, register=self._register,
                                    staging_slots=self._slots, counters=self.counters)
                 # Copy mode: stores get a staging pool of their own, so a load never waits
                 # for slots a store in flight holds.
-                self._store_mover = mover if self._register else BlockMover(
+                store = mover if self._register else BlockMover(
                     backend, self.rows, register=False, staging_slots=self._slots,
                     counters=self.counters)
             except Exception as exc:
+                if mover is not None:
+                    with contextlib.suppress(Exception):
+                        mover.close()
                 self.link.failed(exc)
                 return None
-            self._mover = mover
+            self._mover, self._store_mover = mover, store
             self._generation += 1
             self.counters.attaches += 1
             self.link.ok()
