@@ -65,11 +65,14 @@ class LoadJob:
 
     def run(self) -> None:
         try:
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
+            # vLLM's KV tensors are inference tensors: written in place only in inference mode,
+            # which is per thread (the engine's thread has it, this one must enter it)
+            with torch.inference_mode():
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._run()
+                else:
                     self._run()
-            else:
-                self._run()
         except BaseException as exc:
             self.error = exc
         finally:

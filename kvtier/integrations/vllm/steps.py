@@ -224,7 +224,8 @@ class WorkerSteps:
 
         def job() -> None:
             try:
-                mover.store(t)
+                with torch.inference_mode():  # staging pools made in the engine's step are
+                    mover.store(t)  # inference tensors, written in place only in this mode
             except Exception as exc:
                 raise StoreFailed(generation) from exc
             if self._on_stored is not None:

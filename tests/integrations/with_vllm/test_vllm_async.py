@@ -170,3 +170,24 @@ def test_a_store_that_fails_after_the_daemon_left_drops_the_pool(tmp_path: Path)
     finally:
         w.close()
         stop_daemon(proc)
+
+
+def test_inference_tensors_are_written_from_the_connector_threads(daemon: str) -> None:
+    """vLLM's KV tensors, and pools attached during its steps, are inference tensors; the
+    store and load threads do not inherit the engine thread's inference mode."""
+    with torch.inference_mode():
+        src, dst = kv(8, 5), kv(8, None)
+        a = worker(daemon, src)
+        a.end([BlockTransfer("a", KEYS[:2], [0, 1])])  # attaches now, in inference mode
+    a.flush_stores()
+    assert a.counters.stored_blocks == 2 and a.link.outages == 0
+    with torch.inference_mode():
+        b = worker(daemon, dst)
+        b.start([BlockTransfer("b", KEYS[:2], [6, 7])])
+        for name in NAMES:
+            b.wait_layer(name)
+        b.join_loads()
+    assert b.take_invalid() == set() and b.link.outages == 0
+    assert all(torch.equal(d[6:8], s[0:2]) for d, s in zip(dst, src, strict=True))
+    a.close()
+    b.close()
