@@ -236,7 +236,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layer-ms", type=float, default=0.5, help="fake forward per layer")
     p.add_argument("--staging-slots", type=int, default=64)
-    p.add_argument("--cpu-gb", type=float, default=40.0, help="the daemon's CPU tier")
+    p.add_argument("--cpu-gb", type=float, default=8.0,
+                   help="the daemon's CPU tier: small, so the store runs reach a steady state "
+                        "(the tier full, older blocks evicted) after the warm-up round")
     p.add_argument("--workloads", nargs="+", default=["store", "load"],
                    choices=["store", "load"])
     p.add_argument("--out", type=Path, help="folder for connector_overlap.{json,md}")

@@ -31,6 +31,8 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         args.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec.get("prefix_caching") is False:
         args["enable_prefix_caching"] = False
+    if spec.get("gpu_blocks"):  # a small KV cache: running requests get preempted
+        args.update(num_gpu_blocks_override=spec["gpu_blocks"], max_model_len=512)
     if spec.get("loras"):
         args.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     if spec.get("kvtier"):
@@ -44,9 +46,12 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
-def _pause(spec: dict[str, Any], phase: int) -> None:
+def _pause(spec: dict[str, Any], phase: int, llm: Any) -> None:
     if phase not in spec.get("pause_after", ()):
         return
+    # Settle first: the blocks are freed only once their stores have ended (and the counters
+    # written), so what the test looks at during the pause is the phase's whole work.
+    _reset_prefix_cache(llm)
     sync = Path(spec["sync"])
     (sync / f"paused-{phase}").touch()
     deadline = time.monotonic() + 300
@@ -99,11 +104,16 @@ def main(path: str) -> None:
     outputs = []
     for i, phase in enumerate(spec["phases"]):
         _reset_prefix_cache(llm)
-        for prompt in phase:  # one at a time: later prompts of a phase may reuse earlier ones
-            req, lora = _request(spec, prompt)
-            res = llm.generate([req], params, use_tqdm=False, lora_request=lora)
-            outputs.append(list(res[0].outputs[0].token_ids))
-        _pause(spec, i)
+        if spec.get("batch"):  # the whole phase at once: loads and stores share steps
+            reqs = [_request(spec, prompt)[0] for prompt in phase]
+            res = llm.generate(reqs, params, use_tqdm=False)
+            outputs.extend(list(r.outputs[0].token_ids) for r in res)
+        else:
+            for prompt in phase:  # one at a time: later prompts may reuse earlier ones
+                req, lora = _request(spec, prompt)
+                res = llm.generate([req], params, use_tqdm=False, lora_request=lora)
+                outputs.append(list(res[0].outputs[0].token_ids))
+        _pause(spec, i, llm)
     with open(spec["out"], "w", encoding="utf-8") as fh:
         json.dump({"outputs": outputs}, fh)
 

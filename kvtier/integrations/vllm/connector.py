@@ -191,6 +191,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._steps: WorkerSteps | None = None
         self._invalid: set[int] = set()
         self._delayed: set[str] = set()
+        self._flushes = 0  # preemptions that waited for the stores in flight
         self._stats_lock = threading.Lock()
         self._rank = Rank()
         if role == KVConnectorRole.SCHEDULER:
@@ -294,6 +295,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Before vLLM reuses a preempted request's blocks: no store may still read them."""
         if self._steps is not None and getattr(kv_connector_metadata, "flush", False):
             self._steps.flush_stores()
+            self._flushes += 1
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -336,7 +338,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if not self._opts.stats_file or self._steps is None:
             return
         data = dict(self._steps.counters.as_dict(), block_size=self._block_size,
-                    outages=self._link.outages)
+                    outages=self._link.outages, preemption_flushes=self._flushes)
         path = self._opts.stats_file
         r = self._rank
         if r.world > 1 and (r.tp_rank or r.pp_rank):
