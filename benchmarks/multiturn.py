@@ -11,7 +11,11 @@ weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
 - ``kvtier-cpu``: restore the stored prefix from kvtier's pinned CPU tier straight into a static
   KV buffer (``ConversationStore.restore_into``), then prefill the new tokens with a captured
   CUDA graph (``kvtier.integrations.transformers.static.StaticPrefill``).
-- ``kvtier-disk``: the same with a CPU budget too small for the trace, so prefixes come from disk.
+- ``kvtier-disk``: the same with a CPU budget too small for the trace, so prefixes come from disk,
+  and cost-aware loads (``kvtier.planner``): per turn, only the leading stored blocks whose load
+  (at the tiers' throughput the engine measured) beats recomputing them (at the prefill rate
+  measured before the modes run) are loaded; the rest is prefilled. Each turn's choice (load,
+  split, recompute) is reported, and whether this mode's TTFT ever exceeded recompute's.
 - ``kvtier-cpu-eager``: restore into a ``DynamicCache`` and prefill with transformers' eager
   forward (what the graph saves).
 - ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)`` kept per conversation (its
@@ -36,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,9 +49,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvtier import OffloadConfig, TierEngine
+from kvtier import OffloadConfig, Tier, TierEngine
 from kvtier.integrations.transformers.cache import ConversationStore, KVLayout
 from kvtier.integrations.transformers.static import StaticPrefill
+from kvtier.planner import LoadPlanner, PrefillModel, TierCost, measured_costs
 
 GIB = 1024**3
 
@@ -63,6 +69,7 @@ class Turn:
     ttft_s: float
     first_token: int
     restore_s: float = 0.0  # part of ttft_s spent bringing the prefix back
+    choice: str = ""  # the planner's: load | split | recompute | none ("" without a planner)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes",
                    default="recompute,kvtier-cpu,kvtier-disk,kvtier-cpu-eager,hf-offloaded")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-planner", action="store_true",
+                   help="kvtier-disk loads every stored block (no cost-aware loads)")
     p.add_argument("--step", type=int, default=128, help="graph bucket: suffix tokens")
     p.add_argument("--kv-step", type=int, default=None,
                    help="masked attention over multiples of this many positions (default: "
@@ -142,6 +151,7 @@ class Mode:
 
     name = ""
     restore_s = 0.0  # set by ttft() when it restores a prefix
+    choice = ""  # set by ttft() when a planner chose what to load
 
     def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
         """Return (tokens reused, first token)."""
@@ -166,7 +176,7 @@ def run_mode(mode: Mode, trace: list, device: torch.device) -> list[Turn]:
             reused, tok = mode.ttft(c, prompt)
             sync(device)
             rows.append(Turn(mode.name, c, t, len(prompt), reused,
-                             time.perf_counter() - start, tok, mode.restore_s))
+                             time.perf_counter() - start, tok, mode.restore_s, mode.choice))
             mode.after(c, prompt, reply)
             history[c] = prompt + reply
     return rows
@@ -233,14 +243,52 @@ class KVTier(KVTierEager):
         self.graphs = self.prefill.prepare(list(range(0, args.max_context, args.block_size)),
                                            list(suffixes))
 
+        self.planner: LoadPlanner | None = None
+        self._recomputed: DynamicCache | None = None  # a turn the planner left to recompute
+        self.graph_suffix = user + args.block_size  # longest suffix with captured graphs
+
+    def plan_loads(self, prefill: PrefillModel) -> None:
+        """Cost-aware loads from now on: the engine's measured throughput, ``prefill``'s rate."""
+        cuda = self.model.device.type == "cuda"
+
+        def costs() -> dict[Tier, TierCost]:
+            moved = self.engine.stats().counters.moved
+            rates = {d: m.bytes_per_s for d, m in moved.items()}
+            return measured_costs(rates, cuda, {d: m.latency_s for d, m in moved.items()})
+
+        from kvtier.client._backend import round_page
+
+        page = round_page(self.store.layout.raw_bytes)  # the bytes a block moves
+        self.planner = LoadPlanner(self.store.layout.block_size, page, prefill, costs)
+
     def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
         start = time.perf_counter()
-        n = self.store.restore_into(self.prefill.kv, prompt)
+        n = self.store.restore_into(self.prefill.kv, prompt, planner=self.planner)
         sync(self.model.device)
         self.restore_s = time.perf_counter() - start
-        return n, self.prefill.first_token(prompt, n)
+        plan = self.store.last_plan
+        self.choice = plan.choice if plan is not None else ""
+        if plan is not None and self.planner is not None:
+            self.planner.observe(plan, self.restore_s)  # what a load costs beyond the bytes
+        if len(prompt) - n <= self.graph_suffix:
+            return n, self.prefill.first_token(prompt, n)
+        if n == 0:  # the plan recomputes it all: exactly what recompute runs (KV copied after)
+            self._recomputed = DynamicCache(config=self.model.config)
+            return 0, first_token(self.model, prompt, self._recomputed)
+        # A long suffix (blocks left to recompute): eager; capturing a graph would be timed here.
+        self.prefill.graphs, graphs = False, self.prefill.graphs
+        try:
+            return n, self.prefill.first_token(prompt, n)
+        finally:
+            self.prefill.graphs = graphs
 
     def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
+        if self._recomputed is not None:  # the prompt's KV into the static buffer, untimed
+            kv, n = self.prefill.kv, len(prompt)
+            for i, layer in enumerate(self._recomputed.layers):
+                kv[i, 0, :, :n] = layer.keys[0, :, :n]
+                kv[i, 1, :, :n] = layer.values[0, :, :n]
+            self._recomputed = None
         self.prefill.extend(prompt + reply, len(prompt))  # the reply's KV, as decoding leaves it
         self.store.save(self.prefill.kv, prompt + reply, wait_s=5.0)
 
@@ -282,8 +330,34 @@ def engine_config(args: argparse.Namespace, device: torch.device, page: int, *,
     return OffloadConfig(**kw)
 
 
+def planned(mode: KVTier, prefill: PrefillModel | None) -> KVTier:
+    if prefill is not None:
+        mode.plan_loads(prefill)
+    return mode
+
+
+def measure_prefill(model: LlamaForCausalLM, args: argparse.Namespace,
+                    device: torch.device) -> PrefillModel:
+    """The model's prefill cost, fitted to whole eager prefills of a quarter, half and all of
+    the longest context (best of 5 each): what recomputing a prefix costs."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    samples = []
+    for n in (args.max_context // 4, args.max_context // 2, args.max_context - 1):
+        ids = torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist()
+        best = float("inf")
+        for _ in range(5):
+            sync(device)
+            start = time.perf_counter()
+            first_token(model, ids, DynamicCache(config=model.config))
+            sync(device)
+            best = min(best, time.perf_counter() - start)
+        samples.append((n, best))
+    return PrefillModel.fit(samples)
+
+
 def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.device,
-               dtype: torch.dtype, disk_dir: str) -> list[Callable[[], Mode]]:
+               dtype: torch.dtype, disk_dir: str,
+               prefill: PrefillModel | None = None) -> list[Callable[[], Mode]]:
     """Mode constructors in run order (built one at a time so only one holds memory)."""
     from kvtier.client._backend import round_page
 
@@ -295,9 +369,9 @@ def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.
         "recompute": lambda: Recompute(model),
         "kvtier-cpu": lambda: KVTier("kvtier-cpu", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
-        "kvtier-disk": lambda: KVTier("kvtier-disk", model, engine_config(
+        "kvtier-disk": lambda: planned(KVTier("kvtier-disk", model, engine_config(
             args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
-            args, dtype),
+            args, dtype), prefill),
         "kvtier-cpu-eager": lambda: KVTierEager("kvtier-cpu-eager", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "hf-offloaded": lambda: HFOffloaded(model),
@@ -316,6 +390,9 @@ def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
                 line["context"] = round(statistics.mean(r.context for r in sel))
                 line[m] = statistics.mean(r.ttft_s for r in sel)
                 line[f"{m} restore"] = statistics.mean(r.restore_s for r in sel)
+            choices = Counter(r.choice for r in sel if r.choice)
+            if choices:
+                line[f"{m} plan"] = ", ".join(f"{k} {v}" for k, v in sorted(choices.items()))
         base = line.get("recompute")
         for m in modes:
             if base and m != "recompute" and line.get(m):
@@ -324,6 +401,24 @@ def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
                 line[f"{m} restore speedup"] = base / line[f"{m} restore"]
         out.append(line)
     return out
+
+
+def against_recompute(rows: list[Turn], mode: str) -> dict[str, Any] | None:
+    """Whether ``mode``'s TTFT ever exceeded recompute's, per (conversation, turn) and per turn
+    (mean over conversations); the worst ratio of each."""
+    ref = {(r.conv, r.turn): r.ttft_s for r in rows if r.mode == "recompute"}
+    sel = [r for r in rows if r.mode == mode and (r.conv, r.turn) in ref]
+    if not sel:
+        return None
+    ratios = [r.ttft_s / ref[(r.conv, r.turn)] for r in sel]
+    turns: dict[int, list[tuple[float, float]]] = {}
+    for r in sel:
+        turns.setdefault(r.turn, []).append((r.ttft_s, ref[(r.conv, r.turn)]))
+    per_turn = [statistics.mean(a for a, _ in v) / statistics.mean(b for _, b in v)
+                for v in turns.values()]
+    return dict(turns_slower=sum(x > 1 for x in ratios), turns=len(ratios),
+                worst_ratio=max(ratios), turn_means_slower=sum(x > 1 for x in per_turn),
+                worst_turn_mean_ratio=max(per_turn))
 
 
 def same_tokens(rows: list[Turn]) -> dict[str, str]:
@@ -342,7 +437,8 @@ def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, An
     cols = ["turn", "context", *[f"{m} TTFT ms" for m in modes],
             *[f"{m} restore ms" for m in restoring],
             *[f"{m} x" for m in modes if m != "recompute"],
-            *[f"{m} prefix x" for m in restoring]]
+            *[f"{m} prefix x" for m in restoring],
+            *[f"{m} plan" for m in restoring if any(f"{m} plan" in x for x in summary)]]
     lines = [f"# Multi-turn TTFT ({meta['device']}, {meta['params_m']:.0f}M params, "
              f"{meta['dtype']})", "", "| " + " | ".join(cols) + " |",
              "|" + "---|" * len(cols)]
@@ -354,11 +450,16 @@ def markdown(summary: list[dict[str, Any]], modes: list[str], meta: dict[str, An
                   for m in modes if m != "recompute"]
         cells += [f"{s[f'{m} restore speedup']:.1f}" if f"{m} restore speedup" in s else "n/a"
                   for m in restoring]
+        cells += [s.get(f"{m} plan", "n/a") for m in restoring
+                  if any(f"{m} plan" in x for x in summary)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "`x` = recompute TTFT / mode TTFT. `prefix x` = recompute TTFT / time to restore "
               "the prefix (the part kvtier owns; the rest of TTFT is the suffix prefill).",
               "", f"Restored blocks by tier: {meta.get('restored_from', {})}",
               f"First token equal to recompute's: {meta.get('same_tokens', {})}",
+              f"Prefill model (cost-aware loads): {meta.get('prefill', 'off')}",
+              f"Against recompute, per (conversation, turn) and per turn mean: "
+              f"{meta.get('against_recompute', {})}",
               f"Skipped modes: {meta.get('skipped', {}) or 'none'}", ""]
     return "\n".join(lines)
 
@@ -401,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes_per_token=kv_bytes_per_token(model, dtype), restored_from={}, skipped={})
     with tempfile.TemporaryDirectory(dir=args.disk_path or None) as disk_dir:
         first_token(model, trace[0][0][0], DynamicCache(config=model.config))  # warm-up
-        for make in make_modes(args, model, device, dtype, disk_dir):
+        prefill = None if args.no_planner else measure_prefill(model, args, device)
+        if prefill is not None:
+            meta["prefill"] = dict(tokens_per_s=prefill.tokens_per_s,
+                                   attention_s=prefill.attention_s)
+        for make in make_modes(args, model, device, dtype, disk_dir, prefill):
             mode = make()
             try:
                 rows += run_mode(mode, trace, device)
@@ -419,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows, modes)
     meta["restored_from"] = {k: v for k, v in meta["restored_from"].items() if v}
     meta["same_tokens"] = same_tokens(rows)
+    meta["against_recompute"] = {m: v for m in modes if m != "recompute"
+                                 if (v := against_recompute(rows, m)) is not None}
     (args.out / "results.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "turns": [asdict(r) for r in rows]}, indent=1))
     (args.out / "results.md").write_text(markdown(summary, modes, meta))

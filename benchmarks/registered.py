@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kvtier.client.block_rows import block_segments
+from rawcopy import median_gbs, pinned_copy, timed
 
 import kvtier.transfer.segtable as segtable
 from kvtier import OffloadConfig, TierEngine
@@ -56,23 +56,6 @@ LAYOUTS: dict[str, tuple[int, tuple[int, ...], int]] = {  # layers, shape (B = b
     "mla": (61, (-1, 16, 576), 0),
     "cpu-8x128": (32, (2, -1, 8, 16, 128), 1),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
-def median_gbs(nbytes: int, seconds: list[float]) -> float:
-    return nbytes / statistics.median(seconds) / 1e9
 
 
 def make_layers(name: str, blocks: int, device: torch.device) -> list[torch.Tensor]:
@@ -101,23 +84,9 @@ def pinned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def raw_case(nbytes: int, device: torch.device, repeats: int) -> dict[str, float]:
-    gpu, gpu2 = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
-    host, host2 = pinned(nbytes, device), pinned(nbytes, device)
-    d2h = [timed(lambda: host.copy_(gpu, non_blocking=True), device) for _ in range(repeats + 1)]
-    h2d = [timed(lambda: gpu.copy_(host, non_blocking=True), device) for _ in range(repeats + 1)]
-    out = {"raw_store": median_gbs(nbytes, d2h[1:]), "raw_load": median_gbs(nbytes, h2d[1:])}
-    if device.type == "cuda":
-        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-        def both() -> None:
-            with torch.cuda.stream(s1):
-                host.copy_(gpu, non_blocking=True)
-            with torch.cuda.stream(s2):
-                gpu2.copy_(host2, non_blocking=True)
-
-        runs = [timed(both, device) for _ in range(repeats + 1)]
-        out["raw_both"] = median_gbs(2 * nbytes, runs[1:])
-    return out
+    rates = pinned_copy(nbytes, device, repeats)
+    names = {"d2h": "raw_store", "h2d": "raw_load", "both": "raw_both"}
+    return {names[k]: v for k, v in rates.items()}
 
 
 def naive_case(

@@ -29,47 +29,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from rawcopy import pinned_copy, timed
 
 from kvtier import OffloadConfig, PageState, TierEngine
 
 GIB = 1 << 30
 
 
-def timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def raw_copies(nbytes: int, page: int, device: torch.device, repeats: int) -> dict[str, float]:
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    gpu2 = torch.empty_like(gpu)
-    out = {}
-    d2h, h2d = [], []
-    for _ in range(1 + repeats):  # warm-up, then the median of ``repeats``
-        d2h.append(timed(lambda: host.copy_(gpu, non_blocking=True), device))
-        h2d.append(timed(lambda: gpu.copy_(host, non_blocking=True), device))
-    out["raw_d2h"] = nbytes / statistics.median(d2h[1:]) / 1e9
-    out["raw_h2d"] = nbytes / statistics.median(h2d[1:]) / 1e9
-    if device.type == "cuda":
-        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-        def both() -> None:
-            with torch.cuda.stream(s1):
-                host.copy_(gpu, non_blocking=True)
-            with torch.cuda.stream(s2):
-                gpu2.copy_(host2, non_blocking=True)
-
-        both_s = [timed(both, device) for _ in range(1 + repeats)][1:]
-        out["raw_both"] = 2 * nbytes / statistics.median(both_s) / 1e9
-    n = min(nbytes // page, 4096)
-    rows_g, rows_h = gpu[: n * page].view(n, page), host[: n * page].view(n, page)
+    out = {f"raw_{k}": v for k, v in pinned_copy(nbytes, device, repeats).items()}
+    n = min(nbytes // page, 4096)  # the naive loop: one copy call per page, on a sample
+    rows_g = torch.empty((n, page), dtype=torch.uint8, device=device)
+    rows_h = torch.empty((n, page), dtype=torch.uint8, pin_memory=device.type == "cuda")
     order = torch.randperm(n).tolist()
 
     def loop() -> None:

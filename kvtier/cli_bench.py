@@ -72,6 +72,12 @@ def add_bench_parser(sub: Any) -> None:
         address_help="daemon to load (default: start an embedded CPU-mode "
         "daemon in a temp dir and stop it afterwards)",
     )
+    p.add_argument("--tenant", metavar="NAME", default=None,
+                   help="run every engine as this tenant and report its own view (default: "
+                   "tenants bench-0..N and the daemon-wide view)")
+    p.add_argument("--tenant-token-file", metavar="FILE", default=None,
+                   help="file whose first line is --tenant's token, when the daemon checks "
+                   "tenant credentials (KVCACHED_OFFLOAD_TENANTS_FILE)")
     p.add_argument("--engines", type=positive_int, default=4, help="client threads (4)")
     p.add_argument("--seconds", type=float, default=10.0, help="run time (10)")
     p.add_argument("--page-size", type=parse_size, default=64 * 1024, help="page size (64KiB)")
@@ -144,13 +150,17 @@ def engine_thread(worker: Worker, deadline: float) -> None:
         worker.result.errors.append(f"engine {worker.index} stopped: {type(exc).__name__}: {exc}")
 
 
-def run_workload(address: str, token: str | None, args: argparse.Namespace) -> Run:
+def run_workload(address: str, token: str | None, args: argparse.Namespace,
+                 tenant_token: str | None = None) -> Run:
     from kvtier.client import KVTierClient
 
-    monitor = KVTierClient(address, "bench-monitor", token, timeout=10.0)
-    clients = [
-        KVTierClient(address, f"bench-{i}", token, timeout=30.0) for i in range(args.engines)
-    ]
+    def client(name: str, timeout: float) -> KVTierClient:
+        return KVTierClient(address, args.tenant or name, token, timeout=timeout,
+                            tenant_token=tenant_token)
+
+    whole = args.tenant is None  # one tenant's run: that tenant's own view
+    monitor = client("bench-monitor", 10.0)
+    clients = [client(f"bench-{i}", 30.0) for i in range(args.engines)]
     workers = [
         Worker(
             i, c, pool_size(args.pages_per_engine), args.pages_per_engine, args.page_size, args.seed
@@ -158,7 +168,7 @@ def run_workload(address: str, token: str | None, args: argparse.Namespace) -> R
         for i, c in enumerate(clients)
     ]
     try:
-        before = stats_dict(monitor.stats(whole=True))
+        before = stats_dict(monitor.stats(whole=whole))
         samples: list[tuple[float, dict[str, Any]]] = []
         stop = threading.Event()
         t0 = time.monotonic()
@@ -176,7 +186,7 @@ def run_workload(address: str, token: str | None, args: argparse.Namespace) -> R
         wall = time.monotonic() - t0
         stop.set()
         sampler.join()
-        after = stats_dict(monitor.stats(whole=True))
+        after = stats_dict(monitor.stats(whole=whole))
         return Run(workers, samples, before, after, wall)
     finally:
         for c in [monitor, *clients]:
@@ -339,18 +349,25 @@ def check_plot_available(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvtier.errors import DeadlineExceeded, Unavailable
+    from kvtier.errors import DeadlineExceeded, PermissionDenied, Unauthenticated, Unavailable
 
     check_plot_available(args)
     if args.seconds <= 0:
         raise ConfigError(f"--seconds: must be > 0, got {args.seconds}")
+    if args.tenant_token_file and not args.tenant:
+        raise ConfigError("--tenant-token-file: give the tenant it belongs to with --tenant")
     token = read_token(args.token_file)
+    tenant_token = read_token(args.tenant_token_file, "--tenant-token-file")
     try:
         if args.address:
-            run = run_workload(args.address, token, args)
+            run = run_workload(args.address, token, args, tenant_token)
         else:
             with embedded_daemon(args) as address:
-                run = run_workload(address, token, args)
+                run = run_workload(address, token, args, tenant_token)
+    except (Unauthenticated, PermissionDenied) as exc:
+        print(f"kvtier bench: the daemon refused the credentials: {exc} (give --tenant and "
+              "--tenant-token-file when it checks tenant credentials)", file=sys.stderr)
+        return 1
     except (Unavailable, DeadlineExceeded):
         print(
             f"kvtier bench: no kvtier daemon at {args.address}: is `kvtier serve` running?",

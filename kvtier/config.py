@@ -89,7 +89,11 @@ class OffloadConfig:
         True, "DISK_DIRECT_IO", "Use O_DIRECT where the filesystem allows it.", "true|false"
     )
     disk_io_threads: int = _opt(
-        4, "DISK_IO_THREADS", "Threads writing and reading disk pages.", "1..64"
+        4,
+        "DISK_IO_THREADS",
+        "Threads writing and reading disk pages: the disk's queue depth (a batch is cut into "
+        "8 MiB parts, one per thread at a time).",
+        "1..64",
     )
     # --- transfers --------------------------------------------------------------------------
     pinned_chunk_mb: int = _opt(

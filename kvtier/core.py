@@ -354,6 +354,7 @@ class EngineCore:
         c.failures += len(batch) - ok_pages
         c.batches += 1
         c.seconds += seconds
+        c.observe(ok_pages * batch.page_size, seconds)
 
     def _count_tenants(self, batch: Moves, results: list[bool]) -> None:
         """The batch's successful pages, per tenant (one bincount)."""

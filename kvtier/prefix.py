@@ -267,6 +267,7 @@ class PrefixStore:
         held: list[np.ndarray] = []
         batches: list[Moves] = []
         at = 0
+        self._read_ahead(pool, keys)
         try:
             for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
                 rows = self._resident_prefix(pool, keys[at : at + size])
@@ -349,6 +350,14 @@ class PrefixStore:
         except BaseException:
             core.unprotect(np.array(sorted(held), dtype=np.int64))
             raise
+
+    def _read_ahead(self, pool: Pool, keys: list[bytes]) -> None:
+        """Queue the disk reads of every stored block of ``keys`` at once, so the disk lane reads
+        the next chunk while the previous one is copied on (the chunks then only wait)."""
+        rows = self._prefix(pool, keys)
+        on_disk = rows[self._core.table.state[rows] == S_DISK]
+        if len(on_disk):
+            self._core.starts.restore_disk(on_disk)
 
     def _prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
         t = self._core.table

@@ -15,15 +15,61 @@ if TYPE_CHECKING:
     from kvtier.remote import RemoteStats
 
 
+RATE_WEIGHT = 0.25  # of the newest batch in the moving averages behind ``bytes_per_s``
+SPREAD = 0.05  # batch sizes must vary this much (coefficient of variation) to see a latency
+
+
 @dataclass(slots=True)
 class DirectionCounters:
-    """Per medium pair: what moved and how long it took."""
+    """Per medium pair: what moved and how long it took.
+
+    ``bytes_per_s`` and ``latency_s``: the recent cost of a batch, ``seconds = latency_s + bytes
+    / bytes_per_s``, fitted to moving averages of batches' bytes and busy seconds (newest
+    weighted ``RATE_WEIGHT``). While batch sizes hardly vary, ``latency_s`` is 0 and the rate is
+    bytes over seconds. Both 0 until a batch moved bytes. Cost-aware loads (``kvtier.planner``)
+    read them.
+    """
 
     bytes: int = 0
     pages: int = 0
     batches: int = 0
     seconds: float = 0.0
     failures: int = 0
+    avg_bytes: float = 0.0
+    avg_seconds: float = 0.0
+    avg_bytes2: float = 0.0  # of bytes squared
+    avg_bytes_seconds: float = 0.0  # of bytes times seconds
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A completed batch moved ``nbytes`` good bytes in ``seconds`` of busy time."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        w = RATE_WEIGHT if self.avg_seconds else 1.0
+        self.avg_bytes += w * (nbytes - self.avg_bytes)
+        self.avg_seconds += w * (seconds - self.avg_seconds)
+        self.avg_bytes2 += w * (nbytes * nbytes - self.avg_bytes2)
+        self.avg_bytes_seconds += w * (nbytes * seconds - self.avg_bytes_seconds)
+
+    def _fit(self) -> tuple[float, float]:
+        """(seconds per byte, latency seconds); (0, 0) before any batch."""
+        if not self.avg_seconds:
+            return 0.0, 0.0
+        var = self.avg_bytes2 - self.avg_bytes**2
+        if var > (SPREAD * self.avg_bytes) ** 2:
+            slope = (self.avg_bytes_seconds - self.avg_bytes * self.avg_seconds) / var
+            latency = self.avg_seconds - slope * self.avg_bytes
+            if slope > 0 and latency >= 0:
+                return slope, latency
+        return self.avg_seconds / self.avg_bytes, 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        slope = self._fit()[0]
+        return 1 / slope if slope else 0.0
+
+    @property
+    def latency_s(self) -> float:
+        return self._fit()[1]
 
 
 @dataclass(slots=True)

@@ -42,6 +42,8 @@ def stats_reply(s: EngineStats, version: str, instance: str) -> pb.StatsReply:
             batches=m.batches,
             seconds=m.seconds,
             failures=m.failures,
+            bytes_per_s=m.bytes_per_s,
+            latency_s=m.latency_s,
         )
         for d, m in c.moved.items()
     ]

@@ -10,7 +10,9 @@ Frames (little endian), one request then one reply, any number per connection:
     reply:    status u8 | n u16 | n x slot u32      (slots only for an OK acquire)
 ``op``: 1 acquire, 2 release. ``status``: 0 OK, 1 use gRPC, 2 denied (unknown pool or wrong
 capability: nothing changed). A frame with ``n`` of 0 or above ``MAX_PAGES`` closes the
-connection. The socket is 0660 like the gRPC one; capabilities are never logged.
+connection. The socket is 0660 like the gRPC one; capabilities are never logged. At most
+``MAX_CONNS`` connections are open at once (like the session socket): one beyond is closed at
+once, and its engine falls back to gRPC, so no client can make the daemon run out of descriptors.
 An OK answer is counted in the RPC metrics as the method it stands for (``Acquire``/``Release``,
 code OK); "use gRPC" is not (the gRPC call that follows is), nor is "denied" (the client falls
 back to gRPC, which reports the error).
@@ -38,6 +40,7 @@ REPLY = struct.Struct("<BH")
 ACQUIRE, RELEASE = 1, 2
 OK, USE_GRPC, DENIED = 0, 1, 2
 MAX_PAGES = 4096
+MAX_CONNS = 1024
 _METHODS = {ACQUIRE: "Acquire", RELEASE: "Release"}
 
 
@@ -78,6 +81,9 @@ class FastLane:
             os.unlink(self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._writers) >= MAX_CONNS:
+            writer.close()
+            return
         self._writers.add(writer)
         try:
             while True:

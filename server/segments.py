@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from kvtier.client import ipc
 
 from kvtier.errors import FailedPrecondition, InvalidArgument
-from kvtier.tiers import memfd
+from kvtier.tiers import memfd, sharing
 
 from . import validate
 from .tickets import Tickets
@@ -71,13 +70,13 @@ def _open_memfds(segments: Sequence[Any], tenant: str, tickets: Tickets
                         f"{field}: unknown, used, expired or another tenant's ticket")
                 taken[seg.memfd_ticket] = got
             fd = taken[seg.memfd_ticket][0]
-            need = ipc.extent(seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
+            need = sharing.extent(seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
             memfd.check(fd, need, field)
             try:
                 flat = memfd.map_shared(fd, need)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise FailedPrecondition(f"{field}: cannot map ({exc})") from None
-            views.append(ipc.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride,
+            views.append(sharing.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride,
                                   seg.offset))
         return views, next(iter(taken.values()))[1]
     finally:
@@ -86,13 +85,5 @@ def _open_memfds(segments: Sequence[Any], tenant: str, tickets: Tickets
 
 
 def _open_cuda(seg: Any, field: str) -> torch.Tensor:
-    need = ipc.extent(seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
-    try:
-        storage = ipc.decode_cuda(seg.ipc)
-    except (ValueError, KeyError, RuntimeError) as exc:
-        why = type(exc).__name__
-        raise InvalidArgument(f"{field}.ipc", f"cannot open handle ({why})") from None
-    if storage.nbytes() < need:
-        raise InvalidArgument(field, f"storage holds {storage.nbytes()} bytes, needs {need}")
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    return ipc.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
+    return sharing.open_rows(seg.ipc, seg.num_slots, seg.slot_bytes, seg.slot_stride,
+                             seg.offset, field)

@@ -67,7 +67,7 @@ class PoolHandle:
     page_size: int
     device: str
     fd: int = -1  # kind == "memfd": sealed memfd of num_slots * page_size bytes (owner's fd)
-    ipc: bytes = b""  # kind == "cuda_ipc": pickled torch storage handle (a capability: never log)
+    ipc: bytes = b""  # kind == "cuda_ipc": tiers.sharing handle bytes (a capability: never log)
 
 
 @dataclass(slots=True)

@@ -18,43 +18,29 @@ Contract (see ``kvtier.tiers.base``):
     * ``handle()`` -> ``PoolHandle``; ``open_handle(handle)`` maps it in another process as a
       ``[num_slots, page_size]`` tensor. ``close()`` drops the memory and closes the memfd;
       idempotent.
-CUDA handles are the pickled result of ``torch.multiprocessing.reductions.reduce_tensor`` (CUDA
-IPC memory handle + torch's cross-process ref counter). They are capabilities: never log them.
-``open_handle`` unpickles them with an allow-list of torch names only, and both processes must run
-as the same user on the same GPU. All methods are thread-safe.
+CUDA handles are ``kvtier.tiers.sharing``'s one format (``KVIPC1`` + JSON of the CUDA IPC memory
+handle and torch's cross-process ref counter; never pickle), the format Register uses too. They
+are capabilities: never log them. Both processes must run as the same user on the same GPU.
+All methods are thread-safe.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
 
 from kvtier.errors import FailedPrecondition, InvalidArgument
-from kvtier.tiers import memfd
+from kvtier.tiers import memfd, sharing
 from kvtier.tiers.base import PoolHandle
 from kvtier.tiers.runs import as_slots, ascending
 from kvtier.types import SlotIndex
 
 _MIN_SCAN = 1024  # mask bytes a take scans at least (one cheap numpy pass)
-_IPC_GLOBALS = {
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("torch", "Tensor"),
-    ("torch._tensor", "Tensor"),
-    ("torch", "Size"),
-    ("torch", "uint8"),
-    ("torch", "device"),
-    ("torch", "UntypedStorage"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"),
-    ("torch", "TypedStorage"),
-}
 
 
 class DevicePool:
@@ -235,7 +221,7 @@ class DevicePool:
             raise FailedPrecondition("engine-registered pool: its memory is mapped by its owner")
         if self.fd >= 0:
             return PoolHandle("memfd", self.num_slots, self.page_size, self.device, fd=self.fd)
-        ipc = _cuda_ipc_bytes(self.segments[0])
+        ipc = sharing.encode_cuda(self.segments[0].untyped_storage())
         return PoolHandle("cuda_ipc", self.num_slots, self.page_size, self.device, ipc=ipc)
 
     def close(self) -> None:
@@ -267,22 +253,6 @@ def open_handle(handle: PoolHandle) -> torch.Tensor:
         memfd.check(handle.fd, size, "handle.fd")
         return memfd.map_shared(handle.fd, size).view(handle.num_slots, handle.page_size)
     if handle.kind == "cuda_ipc":
-        fn, args = _IpcUnpickler(io.BytesIO(handle.ipc)).load()
-        tensor: torch.Tensor = fn(*args)
-        return tensor.view(handle.num_slots, handle.page_size)
+        return sharing.open_rows(handle.ipc, handle.num_slots, handle.page_size,
+                                 handle.page_size, 0, "handle")
     raise InvalidArgument("handle.kind", f"expected 'memfd' or 'cuda_ipc', got {handle.kind!r}")
-
-
-def _cuda_ipc_bytes(tensor: torch.Tensor) -> bytes:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return pickle.dumps(reduce_tensor(tensor))
-
-
-class _IpcUnpickler(pickle.Unpickler):
-    """Resolves only the torch names a CUDA tensor handle needs: a handle can't run other code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _IPC_GLOBALS:
-            raise InvalidArgument("handle.ipc", f"unexpected global {module}.{name}")
-        return super().find_class(module, name)

@@ -1,10 +1,13 @@
 """The disk tier: one preallocated slot file per page size, checksummed pages, a persisted index.
 
-Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io, io_threads)``.
+Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io, io_threads,
+*, extent_bytes, part_bytes)``.
     * ``pages-<page_size>.dat`` grows lazily in extents (``posix_fallocate``, else ``ftruncate``);
       the files together never exceed ``budget_bytes``. Files never shrink, so bytes given to one
       page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full.
-    * ``write``/``read`` run on a thread pool and return ``Future[list[bool]]`` (one per page).
+    * ``write``/``read`` return ``Future[list[bool]]`` (one per page). A batch is cut into parts
+      of at most ``part_bytes`` (``kvtier.tiers.disk_parts``) run at once on ``io_threads``
+      threads, so the disk has that many requests in flight; each part checksums its own pages.
       O_DIRECT is used when the filesystem accepts it (probed at open; ``.direct_io`` says which);
       buffers that are not 4 KiB aligned go through an aligned bounce buffer.
     * A page's xxh3-64 checksum is recorded only after ``fdatasync`` (once per batch). Starting a
@@ -28,9 +31,7 @@ Thread-safe; a slot must not be written or freed while a read or write of it is 
 
 from __future__ import annotations
 
-import errno
 import heapq
-import mmap
 import os
 import re
 import threading
@@ -46,6 +47,7 @@ from kvtier.errors import FailedPrecondition, InvalidArgument
 from kvtier.tiers.base import DiskRecord, DiskSlot, TierCounters
 from kvtier.tiers.disk_index import load_index, save_index
 from kvtier.tiers.disk_journal import Journal, remove_before, replay
+from kvtier.tiers.disk_parts import Parts, Run, split
 from kvtier.tiers.diskio import (
     ALIGN,
     cbuf,
@@ -54,11 +56,14 @@ from kvtier.tiers.diskio import (
     open_private,
     private_dir,
     probe_direct,
-    view,
+    transfer,
 )
 
 _FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
 _MIB = 1 << 20
+# A batch is cut into parts of this many bytes (at least a page), run at once on the I/O
+# threads: the disk sees ``io_threads`` requests in flight, not one batch's runs in turn.
+PART_BYTES = 8 * _MIB
 COMPACT_RECORDS = 65536  # journal records before a persist compacts (or the live count, if more)
 
 
@@ -84,6 +89,7 @@ class DiskStore:
         io_threads: int = 4,
         *,
         extent_bytes: int = 64 * _MIB,
+        part_bytes: int = PART_BYTES,
     ) -> None:
         if budget_bytes < 0:
             raise InvalidArgument("budget_bytes", f"must be >= 0, got {budget_bytes}")
@@ -93,6 +99,7 @@ class DiskStore:
         private_dir(self.path)
         self.budget_bytes = budget_bytes
         self.extent_bytes = max(ALIGN, extent_bytes)
+        self.part_bytes = max(ALIGN, part_bytes)
         self.direct_io = direct_io and probe_direct(self.path)
         self.counters = TierCounters()
         self._lock = threading.Lock()
@@ -155,7 +162,16 @@ class DiskStore:
             f = self._checked(page_size, slots, srcs, "srcs")
             for s in slots:
                 f.sums.pop(s, None)  # not readable as good until the new bytes are durable
-            return self._pool.submit(self._write_batch, f, list(slots), list(srcs))
+            runs = split(coalesce(page_size, slots, srcs), page_size, self.part_bytes)
+            if not runs:
+                return _done([])
+            n = len(slots)
+            ok, sums = [False] * n, [0] * n
+            t0 = time.perf_counter()
+            parts = Parts(len(runs), lambda: self._write_done(f, list(slots), ok, sums, t0))
+            for run in runs:
+                self._pool.submit(self._write_part, f, run, ok, sums, parts)
+            return parts.future
 
     def read(
         self, page_size: int, slots: Sequence[int], dsts: Sequence[torch.Tensor]
@@ -165,18 +181,37 @@ class DiskStore:
             self._check_open()
             f = self._checked(page_size, slots, dsts, "dsts")
             expected = [f.sums.get(s) for s in slots]
-            return self._pool.submit(self._read_batch, f, list(slots), list(dsts), expected)
+            runs = split(coalesce(page_size, slots, dsts), page_size, self.part_bytes)
+            if not runs:
+                return _done([])
+            ok, bad = [False] * len(slots), [0]
+            t0 = time.perf_counter()
+            parts = Parts(len(runs), lambda: self._read_done(f, ok, bad, t0))
+            for run in runs:
+                self._pool.submit(self._read_part, f, run, expected, ok, bad, parts)
+            return parts.future
 
-    def _write_batch(
-        self, f: _SlotFile, slots: Sequence[int], srcs: Sequence[torch.Tensor]
-    ) -> list[bool]:
-        t0 = time.perf_counter()
-        sums = [xxhash.xxh3_64_intdigest(view(t, f.page_size)) for t in srcs]
-        ok = [False] * len(slots)
-        for offset, ptr, nbytes, positions in coalesce(f.page_size, slots, srcs):
+    def _write_part(
+        self, f: _SlotFile, run: Run, ok: list[bool], sums: list[int], parts: Parts
+    ) -> None:
+        """Checksum and write one part (its pages' bytes are contiguous at ``ptr``)."""
+        try:
+            offset, ptr, nbytes, positions = run
+            page = f.page_size
+            for k, p in enumerate(positions):
+                sums[p] = xxhash.xxh3_64_intdigest(cbuf(ptr + k * page, page))
             if self._io(f.fd, offset, ptr, nbytes, write=True):
                 for p in positions:
                     ok[p] = True
+        except BaseException as exc:
+            parts.done(exc)
+            return
+        parts.done()
+
+    def _write_done(
+        self, f: _SlotFile, slots: list[int], ok: list[bool], sums: list[int], t0: float
+    ) -> list[bool]:
+        """After the last part: one ``fdatasync``, then the checksums become the durable ones."""
         try:
             os.fdatasync(f.fd)
         except OSError:
@@ -192,61 +227,43 @@ class DiskStore:
             self.counters.write_seconds += time.perf_counter() - t0
         return ok
 
-    def _read_batch(
+    def _read_part(
         self,
         f: _SlotFile,
-        slots: Sequence[int],
-        dsts: Sequence[torch.Tensor],
+        run: Run,
         expected: list[int | None],
-    ) -> list[bool]:
-        t0 = time.perf_counter()
-        ok = [False] * len(slots)
-        for offset, ptr, nbytes, positions in coalesce(f.page_size, slots, dsts):
+        ok: list[bool],
+        bad: list[int],
+        parts: Parts,
+    ) -> None:
+        """Read one part and check each of its pages against its durable checksum."""
+        try:
+            offset, ptr, nbytes, positions = run
+            page = f.page_size
             if self._io(f.fd, offset, ptr, nbytes, write=False):
-                for p in positions:
-                    ok[p] = True
-        bad = 0
-        for i, dst in enumerate(dsts):
-            if ok[i]:
-                got = xxhash.xxh3_64_intdigest(view(dst, f.page_size))
-                ok[i] = expected[i] is not None and got == expected[i]
-                bad += expected[i] is not None and not ok[i]
+                for k, p in enumerate(positions):
+                    got = xxhash.xxh3_64_intdigest(cbuf(ptr + k * page, page))
+                    ok[p] = expected[p] is not None and got == expected[p]
+                    if expected[p] is not None and not ok[p]:
+                        with self._lock:
+                            bad[0] += 1
+        except BaseException as exc:
+            parts.done(exc)
+            return
+        parts.done()
+
+    def _read_done(self, f: _SlotFile, ok: list[bool], bad: list[int], t0: float) -> list[bool]:
         with self._lock:
-            self.counters.checksum_failures += bad
+            self.counters.checksum_failures += bad[0]
             self.counters.bytes_read += sum(ok) * f.page_size
             self.counters.read_seconds += time.perf_counter() - t0
         return ok
 
     def _io(self, fd: int, offset: int, ptr: int, nbytes: int, *, write: bool) -> bool:
-        """One positioned transfer of ``nbytes``; bounces unaligned buffers under O_DIRECT."""
-        bounce: mmap.mmap | None = None
-        user = memoryview(cbuf(ptr, nbytes)).cast("B")
-        buf = user
-        try:
-            if self.direct_io and ptr % ALIGN:
-                bounce = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
-                buf = memoryview(bounce)
-                if write:
-                    buf[:] = user
-            done = 0
-            while done < nbytes:
-                if write:
-                    k = os.pwrite(fd, buf[done:], offset + done)
-                else:
-                    k = os.preadv(fd, [buf[done:]], offset + done)
-                if k <= 0:
-                    raise OSError(errno.EIO, "short transfer past end of file")
-                done += k
-            if bounce is not None and not write:
-                user[:] = buf
+        if transfer(fd, offset, ptr, nbytes, write=write, direct=self.direct_io):
             return True
-        except OSError:
-            self._count(io_errors=1)
-            return False
-        finally:
-            if bounce is not None:
-                buf.release()
-                bounce.close()
+        self._count(io_errors=1)
+        return False
 
     # ---- records -------------------------------------------------------------------------
     def set_record(self, page_size: int, slot: DiskSlot, record: DiskRecord) -> None:
@@ -392,6 +409,12 @@ class DiskStore:
     def _count(self, io_errors: int) -> None:
         with self._lock:
             self.counters.io_errors += io_errors
+
+
+def _done(result: list[bool]) -> Future[list[bool]]:
+    fut: Future[list[bool]] = Future()
+    fut.set_result(result)
+    return fut
 
 
 def _check_page_size(page_size: int) -> None:

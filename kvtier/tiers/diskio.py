@@ -43,6 +43,38 @@ def coalesce(
     return out
 
 
+def transfer(fd: int, offset: int, ptr: int, nbytes: int, *, write: bool, direct: bool) -> bool:
+    """One positioned transfer of ``nbytes`` at ``ptr``; False on an I/O error or a short file.
+    Under O_DIRECT (``direct``) a buffer that is not 4 KiB aligned goes through a bounce buffer."""
+    bounce: mmap.mmap | None = None
+    user = memoryview(cbuf(ptr, nbytes)).cast("B")
+    buf = user
+    try:
+        if direct and ptr % ALIGN:
+            bounce = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
+            buf = memoryview(bounce)
+            if write:
+                buf[:] = user
+        done = 0
+        while done < nbytes:
+            if write:
+                k = os.pwrite(fd, buf[done:], offset + done)
+            else:
+                k = os.preadv(fd, [buf[done:]], offset + done)
+            if k <= 0:
+                raise OSError(errno.EIO, "short transfer past end of file")
+            done += k
+        if bounce is not None and not write:
+            user[:] = buf
+        return True
+    except OSError:
+        return False
+    finally:
+        if bounce is not None:
+            buf.release()
+            bounce.close()
+
+
 def extend(fd: int, offset: int, nbytes: int) -> bool:
     """Reserve ``[offset, offset + nbytes)``; on failure the file keeps its old size."""
     try:

@@ -240,7 +240,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         gb = self.grads.buckets[b.index]
         StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
         blob = self.states.acquire(b.index)
-        self.states.prefetch(b.index + 1)
+        self.states.prefetch_next(b.index)
         views = b.views(blob)
         grads = [g if ok else None for g, ok in zip(gb.grads, gb.present, strict=True)]
         b.run(views["master"], grads, views, self._hyper(b))

@@ -5,8 +5,12 @@
       returns it, ``release`` does nothing.
     * disk tier: the blob is split into ``page_bytes`` pages kept in a ``DiskStore``; two host
       slot buffers (double buffering) hold the blobs being worked on. ``prefetch(i)`` starts the
-      read of bucket ``i`` into slot ``i % 2`` (after that slot's previous write finished),
-      ``acquire(i)`` waits for it, ``release(i, dirty)`` starts the write back.
+      read of bucket ``i`` into slot ``i % 2`` (after that slot's previous write finished, and
+      after any read of another bucket into that slot: a slot holds one bucket's read at a time,
+      so buckets may be used in any order), ``acquire(i)`` waits for it, ``release(i, dirty)``
+      starts the write back. ``prefetch_next(i)`` reads ahead the bucket expected after ``i``:
+      the same direction as the last two acquires (buckets step in backward order when their
+      gradients land, in index order at ``step()``).
       A read that fails its checksum raises :class:`~kvtier.errors.PageLost`.
     * ``bytes_read``/``bytes_written`` count disk traffic. ``flush()`` waits for every write.
 """
@@ -38,6 +42,8 @@ class StateStore:
         self.bytes_written = 0
         self.written = [False] * len(sizes)
         self._host: list[torch.Tensor] = []
+        self._last = -1  # the last bucket acquired
+        self._step = 1  # the direction buckets are being used in
         if disk is None:
             self._host = [get_buffer(arena, n) for n in sizes]
             return
@@ -56,6 +62,7 @@ class StateStore:
         self._bufs = [get_buffer(arena, slot_bytes), get_buffer(arena, slot_bytes)]
         self._reads: dict[int, Future[list[bool]]] = {}
         self._writes: list[Future[list[bool]] | None] = [None, None]
+        self._reading: list[int | None] = [None, None]  # slot -> bucket whose read is pending
 
     @property
     def on_disk(self) -> bool:
@@ -79,14 +86,25 @@ class StateStore:
         if not self.written[i]:
             return  # nothing written yet: the caller initializes the blob
         self._reads[i] = self.disk.read(self.page, self._slots[i], self._pages(i))
+        self._reading[i % 2] = i
+
+    def prefetch_next(self, i: int) -> None:
+        """Read ahead the bucket expected after bucket ``i`` (see the module docstring)."""
+        nxt = i + self._step
+        if self.disk is not None and 0 <= nxt < len(self.sizes):
+            self.prefetch(nxt)
 
     def acquire(self, i: int) -> torch.Tensor:
         """Bucket ``i``'s blob in host memory (``sizes[i]`` bytes), ready to use."""
         if self.disk is None:
             return self._host[i][: self.sizes[i]]
+        if self._last >= 0 and i != self._last:
+            self._step = 1 if i > self._last else -1
+        self._last = i
         self.prefetch(i)
         fut = self._reads.pop(i, None)
         if fut is not None:
+            self._reading[i % 2] = None
             ok = self._wait(fut, "read")
             if not all(ok):
                 raise PageLost(f"optimizer state bucket {i} failed its checksum on disk")
@@ -102,6 +120,10 @@ class StateStore:
         self.bytes_written += self._npages[i] * self.page
 
     def _drain_slot(self, k: int) -> None:
+        """Slot ``k``'s buffer free to refill: its write done, any read ahead into it dropped."""
+        ahead, self._reading[k] = self._reading[k], None
+        if ahead is not None:  # a read ahead of a bucket that was not used next: wait it out
+            self._wait(self._reads.pop(ahead), "read")
         fut, self._writes[k] = self._writes[k], None
         if fut is not None and not all(self._wait(fut, "write")):
             raise PageLost("writing optimizer states to the disk tier failed")

@@ -270,20 +270,24 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class DirectionStats(_message.Message):
-    __slots__ = ("direction", "bytes", "pages", "batches", "seconds", "failures")
+    __slots__ = ("direction", "bytes", "pages", "batches", "seconds", "failures", "bytes_per_s", "latency_s")
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     direction: str
     bytes: int
     pages: int
     batches: int
     seconds: float
     failures: int
-    def __init__(self, direction: _Optional[str] = ..., bytes: _Optional[int] = ..., pages: _Optional[int] = ..., batches: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[int] = ...) -> None: ...
+    bytes_per_s: float
+    latency_s: float
+    def __init__(self, direction: _Optional[str] = ..., bytes: _Optional[int] = ..., pages: _Optional[int] = ..., batches: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("tiers", "pools", "tenants", "queued_restores", "queued_offloads", "inflight_bytes", "pinned_pages", "keyed_pages", "moved", "evictions", "drops", "hits", "misses", "checksum_failures", "version", "instance", "remote")

@@ -41,3 +41,29 @@ def test_bench_plot_without_matplotlib_exits_2(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "--seconds", "1", "--plot", "x.png"]) == 2
     assert "--plot" in capsys.readouterr().err
+
+
+def test_bench_runs_as_one_tenant_with_its_credential(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    from kvtier_daemon_fixture import PAGE, daemon_env, start
+
+    tenants = tmp_path / "tenants"
+    tenants.write_text("load token-of-load\n")
+    tenants.chmod(0o600)
+    token = tmp_path / "token"
+    token.write_text("token-of-load\n")
+    d = start(tmp_path / "d", env=daemon_env(KVCACHED_OFFLOAD_TENANTS_FILE=str(tenants)))
+    try:
+        base = ["bench", "--address", d.address, "--seconds", "1", "--engines", "2",
+                "--pages-per-engine", "32", "--page-size", str(PAGE)]
+        assert main(base) == 1  # tenants bench-N have no credential: refused, said so
+        assert "refused the credentials" in capsys.readouterr().err
+        assert main([*base, "--tenant", "load", "--tenant-token-file", str(token)]) == 0
+        out = capsys.readouterr().out
+        assert "0 byte mismatches" in out and "Acquire" in out
+        assert main([*base, "--tenant-token-file", str(token)]) == 2  # whose token?
+        assert "--tenant-token-file" in capsys.readouterr().err
+    finally:
+        d.stop(signal.SIGKILL)

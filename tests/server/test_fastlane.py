@@ -3,11 +3,15 @@ gRPC, and refuses anything without the pool's capability (changing nothing)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 
 import torch
 from kvtier_daemon_fixture import Daemon
+
+from server.fastlane import MAX_CONNS
 
 REQUEST = struct.Struct("<BHQ16s")
 REPLY = struct.Struct("<BH")
@@ -161,4 +165,30 @@ def test_fast_lane_calls_are_counted_in_the_rpc_metrics(daemon: Daemon) -> None:
         assert att.fast_lane.hits - hits == 50  # every call took the lane
         assert after.get("Acquire", 0) - before.get("Acquire", 0) == 25
         assert after.get("Release", 0) - before.get("Release", 0) == 25
+        c.detach(att)
+
+
+def test_a_connection_flood_is_capped_and_others_are_still_served(daemon: Daemon) -> None:
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+
+    with daemon.client("lane-f") as c:
+        att = c.attach(4)
+        got = c.allocate(att, 1)
+        assert got is not None
+        base = fds()
+        flood = []
+        for _ in range(MAX_CONNS + 200):  # opened and left idle
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(att.fast_lane.path)
+            flood.append(s)
+        time.sleep(1.0)
+        assert fds() <= base + MAX_CONNS + 8  # the ones beyond the cap were closed
+        assert c.acquire(att, [got[0][0]]) == [got[0][1]]  # gRPC serves what the lane can't
+        for s in flood:
+            s.close()
+        deadline = time.monotonic() + 20
+        while fds() > base + 8:
+            assert time.monotonic() < deadline, f"{fds()} descriptors, not ~{base}"
+            time.sleep(0.1)
         c.detach(att)

@@ -213,3 +213,33 @@ def test_a_forked_child_gets_its_own_session(spawn: Callable[..., Daemon]) -> No
         assert os.waitstatus_to_exitcode(status) == 0
         wait_pools(d, 1)  # the child's pool went with the child; the parent's session lives
         assert c.allocate(parent, 1) is not None
+
+
+def test_a_session_connection_flood_is_capped_and_clients_still_attach(
+        spawn: Callable[..., Daemon]) -> None:
+    from server.fdpass import MAX_CONNS
+
+    d = with_lease(spawn, "0")
+    with d.client("owner") as owner:
+        owner.attach(4)
+        base = fd_count(d)
+        flood = [flooder(d) for _ in range(MAX_CONNS + 200)]  # opened and left idle
+        time.sleep(1.0)
+        assert fd_count(d) <= base + MAX_CONNS + 8  # those beyond the cap were closed
+        for s in flood:
+            s.close()
+        wait_fds(d, base + 8)
+    with d.client("late") as late:  # the socket serves again once the flood is gone
+        att = late.attach(4)
+        assert att.tensor is not None and late.allocate(att, 1) is not None
+
+
+def flooder(d: Daemon) -> socket.socket:
+    """A connection, retried while the listen backlog is full (the daemon accepts one at a time)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return raw(d)
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the session socket stopped accepting"
+            time.sleep(0.001)

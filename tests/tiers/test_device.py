@@ -187,3 +187,19 @@ def test_cuda_pool_shared_with_second_process() -> None:
     pool.scatter_rows(slots(0, 3), src)
     assert torch.equal(pool.gather_rows(slots(3, 0)), src)
     pool.close()
+
+
+@pytest.mark.parametrize("blob", [
+    b"", b"KVIPC1", b"KVIPC1{", b"KVIPC1[]", b'KVIPC1{"device": 0}',
+    b'KVIPC1{"device": -1, "size": 1, "offset": 0, "ref_counter_offset": 0, '
+    b'"event_sync_required": false, "handle": "", "ref_counter_handle": "", "event_handle": ""}',
+    b'KVIPC1{"device": 0, "size": "1", "offset": 0, "ref_counter_offset": 0, '
+    b'"event_sync_required": false, "handle": "", "ref_counter_handle": "", "event_handle": ""}',
+    b'KVIPC1{"device": 0, "size": 1, "offset": 0, "ref_counter_offset": 0, '
+    b'"event_sync_required": false, "handle": "!!", "ref_counter_handle": "", "event_handle": ""}',
+], ids=["empty", "magic-only", "bad-json", "not-a-dict", "missing", "negative", "string-int",
+        "bad-base64"])
+def test_malformed_cuda_handles_are_refused_naming_the_field(blob: bytes) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        open_handle(PoolHandle("cuda_ipc", 1, PAGE, "cuda:0", ipc=blob))
+    assert err.value.field == "handle.ipc"

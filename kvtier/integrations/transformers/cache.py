@@ -7,9 +7,11 @@
   stored prefix of ``token_ids`` (whole blocks, always leaving at least one token to compute, so
   ``generate`` only prefills the rest). ``cache.restored_tokens`` says how many; a load that ends
   early (dropped or corrupt block) just restores fewer tokens: never wrong KV.
-- ``restore_into(kv, token_ids) -> int``: the same prefix copied into a preallocated
-  ``[layers, 2, kv_heads, capacity, head_dim]`` buffer (a static cache, e.g. ``static``'s)
-  in one copy; returns how many tokens.
+- ``restore_into(kv, token_ids, planner=None) -> int``: the same prefix copied into a
+  preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer (a static cache, e.g.
+  ``static``'s) in one copy; returns how many tokens. With a ``kvtier.planner.LoadPlanner``
+  only the leading stored blocks that are cheaper to load than to recompute are loaded
+  (``last_plan`` says what was chosen).
 - ``save(cache, token_ids) -> int``: after a turn, store the full blocks of ``token_ids`` whose KV
   the cache (a ``DynamicCache`` or such a buffer) holds and kvtier lacks; returns how many blocks
   it stored.
@@ -42,11 +44,13 @@ from transformers import DynamicCache
 from kvtier.client._backend import Backend, Staging, as_backend, round_page
 from kvtier.client._blocks import KeyChains, namespace
 from kvtier.errors import CapacityError
+from kvtier.planner import LoadPlanner, Plan
 from kvtier.types import Tier
 
 from .pool import PoolPages, staged_rows, write_rows
 
 _Take = Callable[[torch.Tensor, int], object]  # (rows [n, raw] uint8, index of the first block)
+_Cut = Callable[[list[Tier], int], int]  # (tiers of the stored blocks, first block) -> to load
 
 
 class KVTierCache(DynamicCache):
@@ -136,6 +140,7 @@ class ConversationStore:
         self._staging: Staging = self.backend.attach(staging_slots, page)
         self._staged: torch.cuda.Event | None = None  # recorded after the last read of staging
         self._pool: PoolPages | None = None
+        self.last_plan: Plan | None = None  # the planner's choice in the last restore_into
         try:
             self._slots = self._hold_staging(staging_slots)
             if keep_on_gpu:
@@ -210,7 +215,8 @@ class ConversationStore:
         self._count(cache.restored_tokens, cache.restored_tiers)
         return cache
 
-    def restore_into(self, kv: torch.Tensor, token_ids: Sequence[int]) -> int:
+    def restore_into(self, kv: torch.Tensor, token_ids: Sequence[int], *,
+                     planner: LoadPlanner | None = None) -> int:
         """Copy the KV of the longest stored prefix of ``token_ids`` into ``kv`` and return how
         many tokens that is (whole blocks, at least one token left to compute).
 
@@ -218,13 +224,18 @@ class ConversationStore:
         model's dtype on the store's device, e.g. the buffers behind a static cache that a
         captured CUDA graph reads: the prefix lands at positions ``[0, n)`` straight from the
         staging slots (one copy per load), and positions from ``n`` on are left as they were.
-        At most ``capacity`` tokens are restored.
+        At most ``capacity`` tokens are restored. With ``planner``, the stored blocks past the
+        pool pages are loaded only as far as the plan says (the rest is left to the prefill).
         """
         self._check_kv(kv)
         bs = self.layout.block_size
         keys = self._restorable_keys(token_ids)[: kv.shape[3] // bs]
+        self.last_plan = None
+        cut: _Cut | None = None
+        if planner is not None:
+            cut = lambda tiers, first: self._plan(planner, tiers, first, len(token_ids))  # noqa: E731
         tiers = self._restore_rows(
-            keys, lambda rows, first: self.layout.unpack_into(kv, rows, first * bs))
+            keys, lambda rows, first: self.layout.unpack_into(kv, rows, first * bs), cut)
         self._count(len(tiers) * bs, Counter(t for t in tiers if t is not None))
         return len(tiers) * bs
 
@@ -240,7 +251,12 @@ class ConversationStore:
                 f"head_dim={lay.head_dim}] of {lay.dtype} on {self.device}, got "
                 f"{list(kv.shape)} of {kv.dtype} on {kv.device}")
 
-    def _restore_rows(self, keys: list[bytes], take: _Take) -> list[Tier | None]:
+    def _plan(self, planner: LoadPlanner, tiers: list[Tier], first: int, total: int) -> int:
+        self.last_plan = planner(tiers, total, first)
+        return self.last_plan.load
+
+    def _restore_rows(self, keys: list[bytes], take: _Take,
+                      cut: _Cut | None = None) -> list[Tier | None]:
         """Hand ``take`` the bytes of the longest loadable prefix of ``keys`` (pool pages first,
         then keyed pages), a chunk at a time; returns the tier each block came from."""
         tiers: list[Tier | None] = []
@@ -249,7 +265,7 @@ class ConversationStore:
             if rows is not None:
                 take(rows, 0)
                 tiers += got
-        return tiers + self._load_keyed(keys[len(tiers) :], take, len(tiers))
+        return tiers + self._load_keyed(keys[len(tiers) :], take, len(tiers), cut)
 
     def _count(self, tokens: int, tiers: Counter[Tier]) -> None:
         self.counters.restored_tokens += tokens
@@ -262,9 +278,14 @@ class ConversationStore:
     def _lookup(self, keys: list[bytes]) -> list[Tier]:
         return self.backend.lookup(keys) if keys else []
 
-    def _load_keyed(self, keys: list[bytes], take: _Take, first: int) -> list[Tier | None]:
-        """Load the longest loadable keyed prefix of ``keys`` into ``take``; the tiers."""
+    def _load_keyed(self, keys: list[bytes], take: _Take, first: int,
+                    cut: _Cut | None = None) -> list[Tier | None]:
+        """Load the longest loadable keyed prefix of ``keys`` (the first ``cut(tiers, first)``
+        blocks of it, with a ``cut``) into ``take``; the tiers."""
         tiers = self._lookup(keys)
+        if cut is not None:
+            tiers = tiers[: cut(tiers, first)]
+            keys = keys[: len(tiers)]
         got: list[Tier | None] = []
         step = self._staging.num_slots
         for i in range(0, len(tiers), step):

@@ -1,0 +1,275 @@
+"""kvtier/planner.py: cost-aware loads (pure policy), then the measured rates of a real engine
+driving a plan whose loaded blocks are checked byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier import OffloadConfig, Tier, TierEngine
+from kvtier.errors import InvalidArgument
+from kvtier.planner import (
+    LoadPlanner,
+    PrefillModel,
+    TierCost,
+    default_costs,
+    measured_costs,
+    plan,
+)
+from kvtier.types import Direction
+
+BT, BB = 16, 1 << 20  # tokens and bytes per block
+FAST = TierCost(100e9, 1e-4)  # loads a block in ~10 us
+SLOW = TierCost(0.1e9, 1e-3)  # loads a block in ~10 ms
+PREFILL = PrefillModel(16_000)  # a block in 1 ms
+
+
+def model_seconds(tiers, k, costs, prefill, total, first=0) -> float:
+    """The cost ``plan`` minimises, written out plainly: the first ``k`` blocks loaded."""
+    load = sum(costs[t].latency_s for t in set(tiers[:k]))
+    load += sum(BB / costs[t].bytes_per_s for t in tiers[:k])
+    return load + prefill.seconds((first + k) * BT, total)
+
+
+def test_fast_leading_blocks_are_loaded_and_a_slow_rest_recomputed() -> None:
+    tiers = [Tier.CPU] * 4 + [Tier.DISK] * 4
+    p = plan(
+        tiers,
+        block_tokens=BT,
+        block_bytes=BB,
+        total_tokens=8 * BT + 5,
+        costs={Tier.CPU: FAST, Tier.DISK: SLOW},
+        prefill=PREFILL,
+    )
+    assert (p.load, p.choice) == (4, "split")
+    assert p.load_s + p.compute_s < p.recompute_s
+
+
+def test_a_tier_slower_than_recompute_is_never_loaded_from() -> None:
+    p = plan(
+        [Tier.DISK] * 6,
+        block_tokens=BT,
+        block_bytes=BB,
+        total_tokens=6 * BT + 1,
+        costs={Tier.DISK: SLOW},
+        prefill=PREFILL,
+    )
+    assert (p.load, p.choice) == (0, "recompute") and p.compute_s == p.recompute_s
+    p = plan(
+        [Tier.DISK] * 6,
+        block_tokens=BT,
+        block_bytes=BB,
+        total_tokens=6 * BT + 1,
+        costs={Tier.DISK: FAST},
+        prefill=PREFILL,
+    )
+    assert (p.load, p.choice) == (6, "load")
+
+
+def test_a_tier_without_a_cost_ends_the_load_and_nothing_stored_is_none() -> None:
+    p = plan(
+        [Tier.CPU, Tier.REMOTE, Tier.CPU],
+        block_tokens=BT,
+        block_bytes=BB,
+        total_tokens=3 * BT,
+        costs={Tier.CPU: FAST},
+        prefill=PREFILL,
+    )
+    assert p.load == 1
+    empty = plan([], block_tokens=BT, block_bytes=BB, total_tokens=7, costs={}, prefill=PREFILL)
+    assert (empty.load, empty.choice) == (0, "none")
+
+
+def test_blocks_already_in_place_cost_nothing() -> None:
+    """With ``first`` blocks in place only the prefill past them counts."""
+    p = plan(
+        [Tier.DISK] * 2,
+        block_tokens=BT,
+        block_bytes=BB,
+        total_tokens=10 * BT,
+        costs={Tier.DISK: SLOW},
+        prefill=PREFILL,
+        first=8,
+    )
+    assert p.recompute_s == pytest.approx(PREFILL.seconds(8 * BT, 10 * BT))
+
+
+@given(
+    tiers=st.lists(st.sampled_from([Tier.CPU, Tier.DISK, Tier.REMOTE]), max_size=12),
+    extra=st.integers(0, 100),
+    first=st.integers(0, 4),
+    rates=st.lists(st.floats(1e6, 1e11), min_size=3, max_size=3),
+    lats=st.lists(st.floats(0, 0.01), min_size=3, max_size=3),
+    tps=st.floats(100, 1e6),
+    attention=st.floats(0, 1e-6),
+)
+def test_the_plan_is_the_cheapest_prefix_and_never_worse_than_recompute(
+    tiers, extra, first, rates, lats, tps, attention
+) -> None:
+    costs = {
+        t: TierCost(r, lat)
+        for t, r, lat in zip((Tier.CPU, Tier.DISK, Tier.REMOTE), rates, lats, strict=True)
+    }
+    prefill = PrefillModel(tps, attention)
+    total = (first + len(tiers)) * BT + extra
+    p = plan(
+        tiers,
+        block_tokens=BT,
+        block_bytes=BB,
+        total_tokens=total,
+        costs=costs,
+        prefill=prefill,
+        first=first,
+    )
+    each = [model_seconds(tiers, k, costs, prefill, total, first) for k in range(len(tiers) + 1)]
+    best = min(each)
+    assert p.load_s + p.compute_s == pytest.approx(best, rel=1e-9)
+    assert p.load_s + p.compute_s <= p.recompute_s * (1 + 1e-12)
+    assert p.recompute_s == pytest.approx(each[0], rel=1e-12)
+    ties = [k for k, s in enumerate(each) if s <= best * (1 + 1e-9)]
+    assert p.load in ties
+
+
+def test_prefill_fit_recovers_both_terms_and_falls_back_to_a_rate() -> None:
+    truth = PrefillModel(20_000, 2e-9)
+    lengths = (256, 1024, 4096, 8192)
+    fitted = PrefillModel.fit((n, 0.012 + truth.seconds(0, n)) for n in lengths)  # + overhead
+    assert fitted.tokens_per_s == pytest.approx(20_000, rel=1e-6)
+    assert fitted.attention_s == pytest.approx(2e-9, rel=1e-6)
+    linear = PrefillModel.fit((n, 0.003 + n / 5000) for n in lengths)
+    assert linear.tokens_per_s == pytest.approx(5000, rel=1e-6)
+    assert linear.attention_s == pytest.approx(0, abs=1e-15)
+    flat = PrefillModel.fit([(1000, 0.1), (1000, 0.1)])  # one length: no attention term to see
+    assert flat.tokens_per_s == pytest.approx(10_000) and flat.attention_s == 0
+    with pytest.raises(InvalidArgument, match="samples"):
+        PrefillModel.fit([(0, 1.0)])
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: TierCost(0), "bytes_per_s"),
+        (lambda: TierCost(float("nan")), "bytes_per_s"),
+        (lambda: TierCost(1e9, -1), "latency_s"),
+        (lambda: PrefillModel(float("inf")), "tokens_per_s"),
+        (lambda: PrefillModel(1, -1e-9), "attention_s"),
+        (
+            lambda: plan(
+                [Tier.CPU],
+                block_tokens=0,
+                block_bytes=BB,
+                total_tokens=BT,
+                costs={},
+                prefill=PREFILL,
+            ),
+            "block_tokens",
+        ),
+        (
+            lambda: plan(
+                [Tier.CPU] * 2,
+                block_tokens=BT,
+                block_bytes=BB,
+                total_tokens=BT,
+                costs={},
+                prefill=PREFILL,
+            ),
+            "total_tokens",
+        ),
+        (
+            lambda: plan(
+                [],
+                block_tokens=BT,
+                block_bytes=BB,
+                total_tokens=BT,
+                costs={},
+                prefill=PREFILL,
+                first=-1,
+            ),
+            "first",
+        ),
+    ],
+)
+def test_bad_values_name_their_field(make, field) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        make()
+    assert err.value.field == field
+
+
+def test_an_observed_overhead_makes_small_loads_recompute() -> None:
+    """A block loads in ~10 us by the tiers' costs but each load took 5 ms more end to end:
+    once observed, recomputing 2 blocks (2 ms) wins."""
+    p = LoadPlanner(BT, BB, PREFILL, lambda: {Tier.CPU: FAST})
+    first = p([Tier.CPU] * 2, 2 * BT + 1)
+    assert first.choice == "load" and p.overhead_s == 0
+    for _ in range(6):
+        p.observe(first, first.load_s + 0.005)
+    assert p.overhead_s == pytest.approx(0.005, rel=0.05)
+    later = p([Tier.CPU] * 2, 2 * BT + 1)
+    assert later.choice == "recompute"
+    p.observe(later, 1.0)  # nothing was loaded: nothing learnt
+    assert p.overhead_s == pytest.approx(0.005, rel=0.05)
+    assert p([Tier.CPU] * 50, 50 * BT + 1).choice == "load"  # large loads still pay off
+
+
+def test_measured_rates_replace_the_defaults() -> None:
+    base = default_costs(cuda=True)
+    got = measured_costs({Direction.CPU_TO_GPU: 40e9, Direction.DISK_TO_CPU: 2e9}, cuda=True,
+                         latencies={Direction.CPU_TO_GPU: 1e-4, Direction.DISK_TO_CPU: 3e-3})
+    assert got[Tier.CPU] == TierCost(40e9, 1e-4)
+    assert got[Tier.DISK].bytes_per_s == pytest.approx(1 / (1 / 2e9 + 1 / 40e9))
+    assert got[Tier.DISK].latency_s == pytest.approx(3e-3 + 1e-4)  # both legs
+    unmeasured = measured_costs({}, cuda=True)
+    assert unmeasured[Tier.CPU] == base[Tier.CPU]
+    assert unmeasured[Tier.DISK].latency_s == base[Tier.DISK].latency_s + base[Tier.CPU].latency_s
+
+
+def test_a_real_engine_measures_its_tiers_and_the_plan_loads_exact_bytes(tmp_path: Path) -> None:
+    """Blocks stored, the engine restarted (they come back on disk), half loaded to measure the
+    disk; then a prefill slower than the measured disk loads the rest, a faster one none."""
+    page, n = 64 << 10, 16
+    cfg = OffloadConfig(
+        device="cpu",
+        page_size=page,
+        gpu_memory_gb=page * (n + 2) / 2**30,
+        cpu_memory_gb=page * 4 * n / 2**30,
+        disk_path=str(tmp_path),
+        disk_gb=page * 4 * n / 2**30,
+        disk_admission="always",
+        pinned_chunk_mb=1,
+    )
+    keys = [f"b{i}".encode() for i in range(n)]
+    want = torch.randint(0, 256, (n, page), dtype=torch.uint8, generator=torch.Generator())
+    with TierEngine(cfg) as engine:
+        pool = engine.attach("t", n)
+        slots = [s for _, s in engine.allocate(pool.pool_id, n) or []]
+        pool.segments[0][slots] = want
+        assert engine.store(pool.pool_id, keys, slots) == n
+    with TierEngine(cfg) as engine:
+        assert engine.lookup("t", keys) == [Tier.DISK] * n
+        rates = {d: m.bytes_per_s for d, m in engine.stats().counters.moved.items()}
+        assert rates[Direction.DISK_TO_CPU] == 0  # nothing measured yet: defaults apply
+        pool = engine.attach("t", n)
+        slots = [s for _, s in engine.allocate(pool.pool_id, n) or []]
+        assert engine.load(pool.pool_id, keys[: n // 2], slots[: n // 2]) == n // 2
+        moved = engine.stats().counters.moved
+        rates = {d: m.bytes_per_s for d, m in moved.items()}
+        assert rates[Direction.DISK_TO_CPU] > 0 and rates[Direction.CPU_TO_GPU] > 0
+        costs = measured_costs(rates, cuda=False)
+        rest = engine.lookup("t", keys[n // 2 :])
+        assert rest == [Tier.DISK] * (n // 2)
+        disk_s = page / costs[Tier.DISK].bytes_per_s  # a block's modelled load
+        args = dict(
+            block_tokens=BT, block_bytes=page, total_tokens=n * BT + 1, costs=costs, first=n // 2
+        )
+        fast = plan(rest, prefill=PrefillModel(BT / disk_s * 100), **args)
+        assert (fast.load, fast.choice) == (0, "recompute")
+        slow = plan(rest, prefill=PrefillModel(BT / disk_s / 100), **args)
+        assert (slow.load, slow.choice) == (n // 2, "load")
+        pool.segments[0][slots] = 0
+        at = n // 2
+        assert engine.load(pool.pool_id, keys[at : at + slow.load], slots[at:]) == slow.load
+        assert torch.equal(pool.segments[0][slots[at:]], want[at:])
