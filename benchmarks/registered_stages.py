@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-import kvtier.core as core
+import kvtier.moves.completion as completion
 import kvtier.prefix as prefix
 import kvtier.scheduler as scheduler
 from kvtier import OffloadConfig, TierEngine
@@ -38,7 +38,7 @@ def _targets() -> list[tuple[Any, str, str]]:
         (prefix.PrefixStore, "_resident_prefix", "resident"),
         (prefix.PrefixStore, "_wait", "wait"),
         (scheduler.TransferScheduler, "_launch", "launch"),
-        (core.EngineCore, "_complete_chunk", "complete"),
+        (completion.Completion, "_complete_chunk", "complete"),
     ]
     if torch.cuda.is_available():
         out.append((torch.cuda.Event, "synchronize", "sync"))

@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bookkeeping import make_engine
 
-import kvtier.batches as batches
-import kvtier.bulk as bulk
-import kvtier.core as core
+import kvtier.moves.batch as bulk
+import kvtier.moves.completion as completion
+import kvtier.moves.frees as batches
 import kvtier.scheduler as scheduler
 
 GIB = 1 << 30
@@ -72,7 +72,7 @@ def instrument() -> None:
     timed_method(scheduler.TransferScheduler, "_launch", "launch")
     timed_method(bulk.BulkMoves, "finish", "finish")
     timed_method(batches.Frees, "apply", "frees")
-    timed_method(core.EngineCore, "complete", "complete")
+    timed_method(completion.Completion, "complete", "complete")
     try:
         import torch
 

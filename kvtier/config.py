@@ -95,6 +95,14 @@ class OffloadConfig:
         "8 MiB parts, one per thread at a time).",
         "1..64",
     )
+    # --- the tier chain ---------------------------------------------------------------------
+    tier_chain: tuple[str, ...] = _opt(
+        ("gpu", "cpu", "disk"),
+        "TIER_CHAIN",
+        "Media a page walks down, comma-separated: gpu, cpu, then at most one registered "
+        "medium below the CPU (its budget and path are its own settings); gpu,cpu: none.",
+        "gpu,cpu[,disk|<registered medium>]",
+    )
     # --- transfers --------------------------------------------------------------------------
     pinned_chunk_mb: int = _opt(
         64, "PINNED_CHUNK_MB", "Size of each exact-size pinned host chunk (MiB).", "1..4096"
@@ -314,6 +322,17 @@ def _devices_ok(device: str) -> bool:
     )
 
 
+def _chain_ok(chain: tuple[str, ...]) -> bool:
+    """``gpu``, ``cpu``, then at most one medium name (registered ones are checked when the
+    engine opens it: ``kvtier.tiers.registry``)."""
+    return (
+        2 <= len(chain) <= 3
+        and chain[:2] == ("gpu", "cpu")
+        and len(set(chain)) == len(chain)
+        and all(re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) is not None for name in chain)
+    )
+
+
 def _validate(c: OffloadConfig) -> None:
     for f in fields(c):
         value = getattr(c, f.name)
@@ -348,6 +367,7 @@ def _validate(c: OffloadConfig) -> None:
         ("remote_admission", c.remote_admission in ("always", "reused", "never")),
         ("remote_timeout_ms", 1 <= c.remote_timeout_ms <= 60000),
         ("remote_inflight_mb", 1 <= c.remote_inflight_mb <= 65536),
+        ("tier_chain", _chain_ok(c.tier_chain)),
     ]
     for name, ok in checks:
         if not ok:

@@ -23,7 +23,6 @@ from kvtier.core import EngineCore
 from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
 from kvtier.events import Event, EventSubscription
 from kvtier.keyed_flush import flush_keyed
-from kvtier.pagetable import S_CPU, S_DISK, S_DOWN, S_GPU, S_UP
 from kvtier.pool import Pool
 from kvtier.prefix import PrefixStore
 from kvtier.remote import open_remote
@@ -224,13 +223,10 @@ class TierEngine:
         """Free pages: settled ones at once, moving ones by cancelling their move or, once it is
         under way, when it completes (``doomed``)."""
         core, t = self._core, self._core.table
-        states = t.state[rows]
-        moving = (states == S_DOWN) | (states == S_UP)
-        going = rows[moving]
+        going = rows[t.moving(rows)]
         if len(going):
             core.cancel(going)
-            states = t.state[going]
-            t.doomed[going[(states == S_DOWN) | (states == S_UP)]] = True  # under way: at its end
+            t.doom(going[t.moving(going)])  # under way: at its end
         rows = rows[~t.doomed[rows]]
         ids, pools = t.ids(rows).tolist(), t.pool[rows].tolist()
         core.release(rows)
@@ -268,9 +264,8 @@ class TierEngine:
             self._core_open()
             pool = self._pool(pool_id)
             rows = core.table.unique(core.table.rows(pool_id, ids))
-            states = core.table.state[rows]
-            on_cpu = rows[states == S_CPU][: pool.dev.num_free]
-            on_disk = rows[states == S_DISK]
+            on_cpu = rows[core.table.at(rows, Tier.CPU)][: pool.dev.num_free]
+            on_disk = rows[core.table.at(rows, Tier.DISK)]
             starts = core.starts
             return starts.restore_cpu(pool, on_cpu, urgent=False) + starts.restore_disk(on_disk)
 
@@ -283,9 +278,8 @@ class TierEngine:
         with core.cond:
             self._pool(pool_id)
             rows = core.table.unique(core.table.rows(pool_id, ids))
-            core.table.prio[rows] = priority
-            states = core.table.state[rows]
-            tracked = rows[(states >= S_GPU) & (states <= S_DISK)]
+            core.table.set_priority(rows, priority)
+            tracked = rows[core.table.settled(rows)]
             for tier, pool, size, part in core.groups(tracked):
                 core.policy_of(tier, pool, size).update(part, core.meta(part))
 
@@ -351,25 +345,11 @@ class TierEngine:
             with core.cond:
                 return tenant_stats(core, tenant)
         with core.cond:
-            gpu_cap = sum(p.num_slots * p.page_size for p in core.pools.values())
-            gpu_used = sum(p.used_slots * p.page_size for p in core.pools.values())
-            local = (Tier.GPU, Tier.CPU, Tier.DISK)
-            count = dict(zip(local, core.table.tier_counts().tolist(), strict=True))
-            disk = core.disk
+            local = (Tier.GPU, Tier.CPU, Tier.DISK)  # the page homes the wire reports
+            count = core.table.tier_counts(tiers=len(local)).tolist()
             restores, offloads = core.scheduler.depth()
             return EngineStats(
-                tiers=(
-                    TierStats(Tier.GPU, gpu_used, gpu_cap, count[Tier.GPU]),
-                    TierStats(
-                        Tier.CPU, core.host.used_bytes, core.host.capacity_bytes, count[Tier.CPU]
-                    ),
-                    TierStats(
-                        Tier.DISK,
-                        disk.used_bytes if disk else 0,
-                        disk.capacity_bytes if disk else 0,
-                        count[Tier.DISK],
-                    ),
-                ),
+                tiers=tuple(TierStats(t, *self._usage(t), count[t]) for t in local),
                 pools=len(core.pools),
                 tenants=len({p.tenant for p in core.pools.values()}),
                 queued_restores=restores,
@@ -380,6 +360,16 @@ class TierEngine:
                 counters=core.counters,
                 remote=core.remote.stats() if core.remote is not None else None,
             )
+
+    def _usage(self, tier: Tier) -> tuple[int, int]:
+        """(used, capacity) bytes of a tier of the chain; (0, 0) for one not open."""
+        core = self._core
+        if tier is Tier.GPU:
+            pools = core.pools.values()
+            return (sum(p.used_slots * p.page_size for p in pools),
+                    sum(p.num_slots * p.page_size for p in pools))
+        medium = core.host if tier is Tier.CPU else core.media.get(tier)
+        return (medium.used_bytes, medium.capacity_bytes) if medium is not None else (0, 0)
 
     def close(self, grace: float = 10.0) -> None:
         """Stop accepting work, write keyed CPU-tier pages to disk (``kvtier.keyed_flush``),
@@ -401,8 +391,8 @@ class TierEngine:
         with core.cond:
             for pool in list(core.pools.values()):
                 pool.dev.close()
-        if core.disk is not None:
-            core.disk.close()
+        for medium in core.media.values():
+            medium.close()
         core.host.close()
         core.events.close()
 

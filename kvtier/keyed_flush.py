@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, by_value
-from kvtier.types import Direction
+from kvtier.pagetable import EMPTY, by_value
+from kvtier.types import Direction, Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
@@ -46,14 +46,13 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
         rows = _keyed_cpu_rows(core)
         moving = [_start(core, part, size) for size, part in _by_size(core, rows)]
         started = np.concatenate(moving) if moving else EMPTY
-        while (t.state[started] == S_DOWN).any() and time.monotonic() < deadline:
+        while t.moving_down(started).any() and time.monotonic() < deadline:
             core.cond.wait(0.01)
-        late = started[t.state[started] == S_DOWN]
+        late = started[t.moving_down(started)]
         if len(late):
             core.cancel(late)  # queued ones come back; ones under way land after we stop waiting
-        flushed = int((t.state[started] == S_DISK).sum())
-        states = t.state[rows]
-        left = int(((states == S_CPU) | (states == S_DOWN)).sum())  # not dropped by a quota
+        flushed = int(t.at(started, Tier.DISK).sum())
+        left = int((t.at(rows, Tier.CPU) | t.moving_down(rows)).sum())  # not dropped by a quota
     result = FlushResult(len(rows), flushed, left)
     if result.lost:
         with core.cond:
@@ -70,7 +69,7 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
 def _keyed_cpu_rows(core: EngineCore) -> np.ndarray:
     t = core.table
     keyed = np.fromiter(t.key_of.keys(), dtype=np.int64, count=len(t.key_of))
-    keep = (t.state[keyed] == S_CPU) & (t.protect[keyed] == 0) & (t.waiting[keyed] == 0)
+    keep = t.at(keyed, Tier.CPU) & (t.protect[keyed] == 0) & (t.waiting[keyed] == 0)
     return np.sort(keyed[keep])
 
 

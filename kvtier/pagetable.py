@@ -4,9 +4,16 @@ Contract:
     * A page is a *row*: a dense integer index into every column. Its public id is
       ``generation << 32 | row``; a row is reused after its page is removed, with the next
       generation, so a stale id never names the new page (``NotFound``).
-    * Every live row is in exactly one state (``S_GPU`` ... ``S_DROPPED``; ``S_NONE`` = no page);
-      ``tier``/``slot`` say where its bytes are (while moving: the source, which stays valid until
-      the move completes).
+    * Every live row is in exactly one state: settled in a tier, moving down, moving up, or
+      dropped (``PageState`` names them; the codes are private to this module). ``tier``/``slot``
+      say where its bytes are (while moving: the source, which stays valid until the move
+      completes).
+    * This class is the only writer of its columns: every change of a page is one of the verbs
+      below (``add``, ``settle``, ``mark_moving``, ``mark_incoming``, ``mark_dropped``,
+      ``doom``, ``pin``/``unpin``, ``await_landing``/``withdraw_wait``/``land``,
+      ``guard``/``unguard``, ``hit``, ``set_priority``, ``set_ready``, ``remove``); other
+      modules read the columns and ask the queries (``at``, ``settled``, ``moving``,
+      ``moving_down``, ``moving_up``, ``dropped``, ``page_state``, ``tier_counts``).
     * ``pins`` > 0 means an engine is using the page on the GPU: it never moves or is evicted.
       ``waiting`` counts acquires waiting for the page to reach the GPU: the completion that lands
       it there turns them into pins at once (``land``); no cascade pushes such a page down.
@@ -32,9 +39,13 @@ from kvtier.errors import NotFound
 from kvtier.tiers.runs import strictly_ascending
 from kvtier.types import PageId, PageState, PoolId, Tier
 
-S_NONE, S_GPU, S_CPU, S_DISK, S_DOWN, S_UP, S_DROPPED = range(7)
-STATE_NAMES = (None, *PageState.__members__.values())  # code -> PageState (GPU .. DROPPED)
-STATE_OF_TIER = {Tier.GPU: S_GPU, Tier.CPU: S_CPU, Tier.DISK: S_DISK}
+# State codes, private: a page settled in tier ``k`` (any tier of the chain) has code
+# ``_S_HOME + k``, so "settled in tier k" and "settled anywhere" are one comparison each.
+_S_NONE, _S_DOWN, _S_UP, _S_DROPPED = range(4)
+_S_HOME = 8
+_MOVING_NAMES = {_S_DOWN: PageState.MOVING_DOWN, _S_UP: PageState.MOVING_UP,
+                 _S_DROPPED: PageState.DROPPED}
+_HOME_NAMES = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
 ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
 EMPTY = np.empty(0, dtype=np.int64)
@@ -97,7 +108,7 @@ class PageTable:
 
     # -- rows and ids ------------------------------------------------------------------------
     def new_rows(self, n: int) -> np.ndarray:
-        """``n`` fresh rows (state ``S_NONE``, every column zero but ``gen``)."""
+        """``n`` fresh rows (state no page, every column zero but ``gen``)."""
         reuse = self._free[-n:] if n else EMPTY
         self._free = self._free[: len(self._free) - len(reuse)]
         fresh = n - len(reuse)
@@ -173,7 +184,7 @@ class PageTable:
         """Forget pages (their slots must already be free): the rows go back for reuse."""
         if not len(rows):
             return
-        self.state[rows] = S_NONE
+        self.state[rows] = _S_NONE
         self.gen[rows] += 1
         self.removals += len(rows)
         for name in ("pool", "pins", "waiting", "protect", "hits", "ready", "owner"):
@@ -191,11 +202,111 @@ class PageTable:
         self._free = np.concatenate([self._free, rows])
         self.live -= len(rows)
 
+    # -- the lifecycle: every write of a column is one of these ---------------------------------
+    def add(
+        self,
+        n: int,
+        *,
+        pool: int,
+        size: int,
+        prio: float = 1.0,
+        length: int = 1,
+        owner: int = 0,
+        positions: bool = False,
+    ) -> np.ndarray:
+        """``n`` new pages (no state yet: ``settle``/``mark_incoming`` gives them one) of
+        ``pool`` (0: keyed) and ``owner``; ``positions``: numbered 0.. in their sequence."""
+        rows = self.new_rows(n)
+        self.pool[rows], self.size[rows], self.prio[rows], self.length[rows] = (
+            pool, size, prio, length)
+        if positions:
+            self.pos[rows] = np.arange(n)
+        self.owner[rows] = owner
+        return rows
+
+    def settle(self, rows: np.ndarray, tier: Tier, slots: np.ndarray) -> None:
+        """``tier``/``slots`` are the pages' home; any move of theirs has ended."""
+        self.state[rows], self.tier[rows], self.slot[rows] = _S_HOME + tier, tier, slots
+        self.move[rows] = 0
+
+    def mark_moving(self, rows: np.ndarray, up: bool, batch: int) -> None:
+        """Settled pages start a move (their source stays theirs) in the batch numbered
+        ``batch``: toward the GPU (``up``) or away from it."""
+        self.move[rows] = batch
+        self.state[rows] = _S_UP if up else _S_DOWN
+
+    def mark_incoming(self, rows: np.ndarray, tier: Tier, slots: np.ndarray) -> None:
+        """New pages whose bytes are being copied into ``tier``/``slots`` (a store in flight):
+        moving down, not yet readable; ``settle`` ends it, ``remove`` forgets a failed one."""
+        self.state[rows], self.tier[rows], self.slot[rows] = _S_DOWN, tier, slots
+
+    def mark_dropped(self, rows: np.ndarray) -> None:
+        """The pages' bytes are gone (their slots already freed): reads raise ``PageLost``."""
+        self.state[rows], self.slot[rows] = _S_DROPPED, -1
+
+    def doom(self, rows: np.ndarray) -> None:
+        """Moving pages freed meanwhile: removed when their move ends."""
+        self.doomed[rows] = True
+
+    def set_priority(self, rows: np.ndarray, priority: float) -> None:
+        self.prio[rows] = priority
+
+    def set_ready(self, rows: np.ndarray, ready: int) -> None:
+        """The ready-event number the pages' last GPU use recorded (a copy waits for it)."""
+        self.ready[rows] = ready
+
+    def pin(self, rows: np.ndarray, times: np.ndarray | int = 1) -> int:
+        """Pins added (distinct rows); returns how many pages were unpinned before."""
+        newly = int(np.count_nonzero(self.pins[rows] == 0))
+        self.pins[rows] += times
+        return newly
+
+    def unpin(self, rows: np.ndarray) -> int:
+        """A pin less each (distinct pinned rows); returns how many are unpinned now."""
+        self.pins[rows] -= 1
+        return int(np.count_nonzero(self.pins[rows] == 0))
+
+    def await_landing(self, rows: np.ndarray) -> None:
+        """An acquire waits for these pages to land on the GPU (``land`` pins them for it)."""
+        self.waiting[rows] += 1
+
+    def withdraw_wait(self, rows: np.ndarray) -> None:
+        """An acquire that gave up no longer waits for these (distinct, waited-for) pages."""
+        self.waiting[rows] -= 1
+
+    def land(self, rows: np.ndarray) -> np.ndarray:
+        """Pages that just reached the GPU: every waiting acquire's wait becomes a pin and a
+        hit. Returns the rows that had waiters (pinned now; they carried no pins before: a
+        pinned page never moves)."""
+        waiting = self.waiting[rows]
+        if not waiting.all():  # counts are >= 0: all() is "every page is waited for"
+            some = np.flatnonzero(waiting)
+            if not len(some):
+                return rows[:0]
+            rows, waiting = rows[some], waiting[some]
+        self.pins[rows] = waiting
+        self.waiting[rows] = 0
+        self.hits[rows] += waiting
+        return rows
+
+    def guard(self, rows: np.ndarray) -> None:
+        """A load needs these pages where they are: no cascade or eviction takes them."""
+        self.protect[rows] += 1
+
+    def unguard(self, rows: np.ndarray) -> None:
+        """Distinct rows; a row removed meanwhile has ``protect`` 0 and stays so."""
+        self.protect[rows] = np.maximum(self.protect[rows] - 1, 0)
+
+    def hit(self, rows: np.ndarray, times: np.ndarray | int = 1) -> None:
+        self.hits[rows] += times
+
     # -- views ---------------------------------------------------------------------------------
     def page_state(self, row: int) -> PageState:
-        state = STATE_NAMES[int(self.state[row])]
-        assert state is not None, f"row {row} holds no page"
-        return state
+        code = int(self.state[row])
+        assert code != _S_NONE, f"row {row} holds no page"
+        if code >= _S_HOME:
+            return _HOME_NAMES[Tier(code - _S_HOME)]
+        return _MOVING_NAMES[code]
 
     def keyed(self, key: bytes) -> int | None:
         return self.by_key.get(key)
@@ -206,16 +317,40 @@ class PageTable:
         self.tenant_of[row] = tenant
 
     def of_pool(self, pool_id: PoolId) -> np.ndarray:
-        live = self.state[: self._high] != S_NONE
+        live = self.state[: self._high] != _S_NONE
         return np.flatnonzero(live & (self.pool[: self._high] == pool_id)).astype(np.int64)
 
-    def count(self, state: int) -> int:
-        return int(np.count_nonzero(self.state[: self._high] == state))
+    def at(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
+        """Mask: settled in ``tier``."""
+        return self.state[rows] == _S_HOME + tier
 
-    def tier_counts(self) -> np.ndarray:
-        """Pages settled in each tier (GPU, CPU, DISK)."""
-        states = self.state[: self._high]
-        return np.bincount(states[(states >= S_GPU) & (states <= S_DISK)], minlength=4)[1:4]
+    def settled(self, rows: np.ndarray) -> np.ndarray:
+        """Mask: settled in some tier (not moving, not dropped)."""
+        return self.state[rows] >= _S_HOME
+
+    def moving(self, rows: np.ndarray) -> np.ndarray:
+        states = self.state[rows]
+        return (states == _S_DOWN) | (states == _S_UP)
+
+    def moving_down(self, rows: np.ndarray) -> np.ndarray:
+        return self.state[rows] == _S_DOWN
+
+    def moving_up(self, rows: np.ndarray) -> np.ndarray:
+        return self.state[rows] == _S_UP
+
+    def dropped(self, rows: np.ndarray) -> np.ndarray:
+        return self.state[rows] == _S_DROPPED
+
+    def live_rows(self) -> np.ndarray:
+        """Every row holding a page."""
+        return np.flatnonzero(self.state[: self._high] != _S_NONE).astype(np.int64)
+
+    def tier_counts(self, rows: np.ndarray | None = None, tiers: int = 3) -> np.ndarray:
+        """Pages settled in each of the first ``tiers`` tiers (GPU, CPU, DISK, ...), of
+        ``rows`` or of the whole table."""
+        states = self.state[: self._high] if rows is None else self.state[rows]
+        home = states[states >= _S_HOME].astype(np.int64) - _S_HOME
+        return np.bincount(home, minlength=tiers)[:tiers]
 
 
 def _column(n: int, dtype: Any) -> np.ndarray:

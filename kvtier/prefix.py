@@ -34,11 +34,11 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
-from kvtier.pagetable import EMPTY, S_CPU, S_DISK, S_DOWN, S_DROPPED
+from kvtier.pagetable import EMPTY
 from kvtier.pool import Pool
 from kvtier.prefix_remote import Held, Staged, hold, land, offer, stage, unstage
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction, PoolId, Tier
+from kvtier.types import Direction, PageState, PoolId, Tier
 from kvtier.validate import check_keys, check_name, check_slots
 
 FIRST_CHUNK = 32  # blocks whose bookkeeping precedes the first copy of a store or a load
@@ -153,14 +153,11 @@ class PrefixStore:
 
     def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
         """Keyed pages of ``pool``'s tenant, moving into CPU ``slots`` (a store in flight)."""
-        t = self._core.table
-        rows = t.new_rows(len(keys))
-        t.state[rows], t.tier[rows], t.slot[rows] = S_DOWN, Tier.CPU, slots
-        t.size[rows], t.prio[rows], t.length[rows] = pool.page_size, 1.0, 1
+        t, ledger = self._core.table, self._core.ledger
+        rows = t.add(len(keys), pool=0, size=pool.page_size, owner=ledger.owner(pool.tenant))
+        t.mark_incoming(rows, Tier.CPU, slots)
         for row, key in zip(rows.tolist(), keys, strict=True):
             t.add_key(row, key, pool.tenant)
-        ledger = self._core.ledger
-        t.owner[rows] = ledger.owner(pool.tenant)
         ledger.incoming[Tier.CPU] += ledger.per_owner(t.owner[rows], pool.page_size)
         return rows
 
@@ -196,7 +193,7 @@ class PrefixStore:
             owner = core.ledger.find(tenant)
             for key in keys:
                 row = t.keyed(salt_key(tenant, key))
-                if row is None or t.state[row] == S_DROPPED:
+                if row is None or t.page_state(row) is PageState.DROPPED:
                     break
                 tier = Tier(int(t.tier[row]))
                 tiers.append(tier)
@@ -285,7 +282,7 @@ class PrefixStore:
             core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
             if core.remote is not None and core.remote.admission == "reused":
                 reused += hold(core, rows[core.table.hits[rows] == 0])  # first reuse
-            core.table.hits[rows] += 1
+            core.table.hit(rows)
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)
 
@@ -325,25 +322,25 @@ class PrefixStore:
         deadline = time.monotonic() + core.config.restore_timeout_s
         held: set[int] = set()
         rows = self._prefix(pool, keys)
-        if (t.state[rows] == S_CPU).all():  # the common case: the whole prefix in the CPU tier
+        if t.at(rows, Tier.CPU).all():  # the common case: the whole prefix in the CPU tier
             core.protect(rows)
             return rows
         try:
             while True:
                 rows = self._prefix(pool, keys)
-                states = t.state[rows]
-                fresh = [r for r in rows[states == S_CPU].tolist() if r not in held]
+                on_cpu = t.at(rows, Tier.CPU)
+                fresh = [r for r in rows[on_cpu].tolist() if r not in held]
                 if fresh:
                     core.protect(np.array(fresh, dtype=np.int64))
                     held.update(fresh)
-                if (states == S_CPU).all():
+                if on_cpu.all():
                     stale = held.difference(rows.tolist())
                     core.unprotect(np.array(sorted(stale), dtype=np.int64))
                     return rows
-                on_disk = rows[states == S_DISK]
+                on_disk, down = rows[t.at(rows, Tier.DISK)], rows[t.moving_down(rows)]
                 if len(on_disk):
                     core.starts.restore_disk(on_disk)
-                core.cancel(rows[states == S_DOWN])
+                core.cancel(down)
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
                 core.cond.wait(0.05)
@@ -355,7 +352,7 @@ class PrefixStore:
         """Queue the disk reads of every stored block of ``keys`` at once, so the disk lane reads
         the next chunk while the previous one is copied on (the chunks then only wait)."""
         rows = self._prefix(pool, keys)
-        on_disk = rows[self._core.table.state[rows] == S_DISK]
+        on_disk = rows[self._core.table.at(rows, Tier.DISK)]
         if len(on_disk):
             self._core.starts.restore_disk(on_disk)
 
@@ -368,7 +365,7 @@ class PrefixStore:
                 break
             found.append(row)
         rows = np.array(found, dtype=np.int64) if found else EMPTY
-        bad = (t.state[rows] == S_DROPPED) | (t.size[rows] != pool.page_size)
+        bad = t.dropped(rows) | (t.size[rows] != pool.page_size)
         return rows[: int(np.argmax(bad))] if bad.any() else rows
 
     def _wait(self, batches: list[Moves]) -> None:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.pagetable import S_CPU
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ def hold(core: EngineCore, rows: np.ndarray) -> Held:
     if remote is None or not len(rows):
         return []
     held: Held = []
-    for row in rows[t.state[rows] == S_CPU].tolist():
+    for row in rows[t.at(rows, Tier.CPU)].tolist():
         salted = t.key_of.get(row)
         if salted is not None and remote.wants(salted):
             held.append((row, salted, int(t.size[row]), int(t.slot[row])))
@@ -101,8 +100,7 @@ def land(core: EngineCore, staged: Staged) -> int:
     slots = staged.slots[fresh]
     if not len(slots):
         return 0
-    rows = t.new_rows(len(slots))
-    t.size[rows], t.prio[rows], t.length[rows] = staged.page_size, 1.0, 1
+    rows = t.add(len(slots), pool=0, size=staged.page_size)
     for row, key in zip(rows.tolist(), (k for k, f in zip(staged.salted, fresh.tolist(),
                                                             strict=True) if f), strict=True):
         t.add_key(row, key, staged.tenant)

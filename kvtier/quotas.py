@@ -12,7 +12,7 @@ Contract:
       slots of moves in flight into the tier: charged when the move is prepared, discharged
       when it completes or fails). ``used(tier)`` = settled + incoming: what the tenant holds.
       Every update is one ``bincount`` per batch, never Python per page.
-    * The share rule, kept out of the policies (they only name victims; ``kvtier.cascade``
+    * The share rule, kept out of the policies (they only name victims; ``kvtier.moves.demotion``
       applies it): a tenant's ``room`` in a tier is its quota minus its use (``None`` without a
       quota); ``evictable`` is the per-tenant mask of pages other tenants may displace: tenants
       over their quota, and every tenant without one. A tenant within its quota is never

@@ -25,7 +25,7 @@ from kvtier.errors import (
     NotFound,
     PageLost,
 )
-from kvtier.pagetable import EMPTY, ROW_BITS, S_CPU, S_DISK, S_DOWN, S_DROPPED, S_GPU, S_UP
+from kvtier.pagetable import EMPTY, ROW_BITS
 from kvtier.pool import Pool
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.validate import check_ids, check_priority
@@ -78,15 +78,9 @@ class Residency:
     def _new_pages(self, pool: Pool, slots: np.ndarray, prio: float, length: int) -> np.ndarray:
         """Pinned GPU pages in ``slots`` (positions 0.. of a sequence of ``length``)."""
         core, t = self._core, self._core.table
-        rows = t.new_rows(len(slots))
-        t.pool[rows], t.size[rows], t.prio[rows], t.length[rows] = (
-            pool.pool_id,
-            pool.page_size,
-            prio,
-            length,
-        )
-        t.pos[rows] = np.arange(len(rows))
-        t.owner[rows] = core.ledger.owner(pool.tenant)
+        owner = core.ledger.owner(pool.tenant)
+        rows = t.add(len(slots), pool=pool.pool_id, size=pool.page_size, prio=prio,
+                     length=length, owner=owner, positions=True)
         core.settle(rows, Tier.GPU, slots, pool)
         core.pin(pool, rows)
         return rows
@@ -148,11 +142,11 @@ class Residency:
                 rows = core.table.rows(pool_id, check_ids("page_ids", page_ids))
             except (NotFound, InvalidArgument):
                 return None
-            if not (core.table.state[rows] == S_GPU).all():
+            if not core.table.at(rows, Tier.GPU).all():
                 return None
             unique = core.table.unique(rows)
             core.pin(pool, unique)
-            core.table.hits[unique] += 1
+            core.table.hit(unique)
             pool.policy.touch(unique)
             core.counters.hits[Tier.GPU] += 1
             return cast("list[SlotIndex]", core.table.slot[rows].tolist())
@@ -200,7 +194,7 @@ class Residency:
     def _unpin(self, pool: Pool, rows: np.ndarray) -> None:
         core = self._core
         core.unpin(pool, rows)
-        core.table.ready[rows] = core.ready.record(pool.dev.device)
+        core.table.set_ready(rows, core.ready.record(pool.dev.device))
 
 
 def make_room(core: EngineCore, pool: Pool, n: int) -> None:
@@ -222,33 +216,32 @@ class _Acquire:
     up (disk -> CPU -> GPU), and undoes its pins and waits if it fails."""
 
     def __init__(self, core: EngineCore, pool: Pool, rows: np.ndarray, gens: np.ndarray) -> None:
-        """``gens``: the rows' generations; the states are read here, once, under the lock
-        this acquire still holds. Raises ``PageLost`` (nothing changed) for dropped pages."""
+        """``gens``: the rows' generations; the states are read here under the lock this
+        acquire still holds. Raises ``PageLost`` (nothing changed) for dropped pages."""
         self.core, self.pool, self.rows, self.gens = core, pool, rows, gens
         t = core.table
         self.removals = t.removals  # unchanged: no page was freed, no generation to compare
-        state = t.state[rows]
-        first = int(state[0])
-        uniform = bool((state == first).all())  # the common case: one comparison pass
-        dropped = (first == S_DROPPED) if uniform else state == S_DROPPED
-        if np.any(dropped):
-            lost = rows if uniform else rows[dropped]
-            raise PageLost(f"pages {t.ids_text(lost)} were dropped")
-        away = first != S_GPU if uniform else state != S_GPU
+        dropped = t.dropped(rows)
+        if dropped.any():
+            raise PageLost(f"pages {t.ids_text(rows[dropped])} were dropped")
+        away = np.logical_not(t.at(rows, Tier.GPU))
         self.pending, self.pending_gens = _where(rows, away), _where(gens, away)
-        self._states: np.ndarray | None = _where(state, away)  # valid until something lands
         self.pinned = _where(rows, np.logical_not(away))  # pinned here; the rest by ``land``
         self._waits_counted = False
-        self._count_hits(first if uniform else None)
+        self._count_hits()
 
-    def _count_hits(self, state: int | None) -> None:
-        """A hit per page in the tier it was found in (``state``: every page's, if one)."""
+    def _count_hits(self) -> None:
+        """A hit per page in the tier its bytes were found in (one comparison pass when all
+        are in one tier, the common case)."""
         hits, rows = self.core.counters.hits, self.rows
-        tier = _TIER_OF_STATE.get(state) if state is not None else None
-        if tier is not None:
-            hits[tier] += len(rows)
+        if not len(rows):
             return
-        for code, count in enumerate(np.bincount(self.core.table.tier[rows], minlength=3)):
+        tiers = self.core.table.tier[rows]
+        first = int(tiers[0])
+        if (tiers == first).all():
+            hits[Tier(first)] += len(rows)
+            return
+        for code, count in enumerate(np.bincount(tiers, minlength=3)):
             hits[Tier(code)] += int(count)
 
     def run(self, deadline: float) -> bool:
@@ -261,16 +254,14 @@ class _Acquire:
         core.pin(self.pool, self.pinned)
         counted = False
         try:
-            assert self._states is not None
-            going = _where(self.pending, self._states == S_DOWN)
+            going = _where(self.pending, core.table.moving_down(self.pending))
             still = bool(len(self.pending))
             if len(going):
                 self._count_waits()
                 if len(core.cancel(going)):  # ``land`` pinned them
-                    self._states = None
                     still = self._still_waiting()
             if still:
-                core.restore_waiters += 1
+                core.landings.restore_waiters += 1
                 counted = True
             while still:
                 ended = core.landings.ended
@@ -285,7 +276,7 @@ class _Acquire:
             raise
         finally:
             if counted:
-                core.restore_waiters -= 1
+                core.landings.restore_waiters -= 1
         # A page that landed and was freed at once (no removal at all: none was).
         freed = t.gen[self.rows] != self.gens if t.removals != self.removals else EMPTY
         if freed.any():
@@ -293,7 +284,7 @@ class _Acquire:
             listed = self.core.table.ids_text(self.rows[freed], gens=self.gens[freed])
             raise NotFound(f"pages {listed} were freed while being acquired")
         # Pages that landed had their hit and touch counted by ``land``: the resident ones here.
-        t.hits[self.pinned] += 1
+        t.hit(self.pinned)
         self.pool.policy.touch(self.pinned)
         return counted
 
@@ -302,7 +293,7 @@ class _Acquire:
         for it, and no cascade pushes them down. Due before anything can land, cascade or
         release the lock; an all-CPU restore does it while its first chunk copies."""
         if not self._waits_counted:
-            self.core.table.waiting[self.pending] += 1
+            self.core.table.await_landing(self.pending)
             self._waits_counted = True
 
     def _still_waiting(self) -> bool:
@@ -321,7 +312,7 @@ class _Acquire:
         if freed.any():
             listed = t.ids_text(rows[freed], gens=gens[freed])
             raise NotFound(f"pages {listed} were freed while being acquired")
-        lost = t.state[rows] == S_DROPPED
+        lost = t.dropped(rows)
         if lost.any():
             raise PageLost(f"pages {t.ids_text(rows[lost])} were dropped and must be recomputed")
         return True
@@ -332,17 +323,16 @@ class _Acquire:
         sleeps until that many restore moves have ended: one wake-up, not one per batch (each
         would take the lock and the interpreter from the lane completing the next)."""
         core, t, pending = self.core, self.core.table, self.pending
-        if not ((t.state[pending] == S_UP) & (t.tier[pending] == Tier.CPU)).all():
+        if not (t.moving_up(pending) & (t.tier[pending] == Tier.CPU)).all():
             return _wait(core, deadline)
         return core.landings.wait(core.landings.ended + len(pending), deadline, core.check_open)
 
     def _start_up(self) -> None:
         """Start the next leg toward the GPU for pending pages that wait in CPU or on disk."""
         core, pool, t = self.core, self.pool, self.core.table
-        states = t.state[self.pending] if self._states is None else self._states
-        self._states = None  # from now on pages may land meanwhile: read them again
-        on_cpu = _where(self.pending, states == S_CPU)
-        on_disk = _where(self.pending, states == S_DISK) if len(on_cpu) < len(states) else EMPTY
+        pending = self.pending
+        on_cpu = _where(pending, t.at(pending, Tier.CPU))
+        on_disk = _where(pending, t.at(pending, Tier.DISK)) if len(on_cpu) < len(pending) else EMPTY
         if not len(on_cpu) and not len(on_disk):
             self._count_waits()
             return
@@ -367,15 +357,11 @@ class _Acquire:
         alive = self.rows[t.gen[self.rows] == self.gens]
         waiting = alive[t.waiting[alive] > 0]
         waiting = waiting[np.isin(waiting, self.pending)] if len(waiting) else EMPTY
-        t.waiting[waiting] -= 1
+        t.withdraw_wait(waiting)
         held = alive[~np.isin(alive, waiting)]
         held = held[t.pins[held] > 0]
         if len(held):
             core.unpin(self.pool, held)
-
-
-# The tier a page in each (settled or moving-down) state has its bytes in.
-_TIER_OF_STATE = {S_GPU: Tier.GPU, S_CPU: Tier.CPU, S_DISK: Tier.DISK, S_DOWN: Tier.GPU}
 
 
 def _where(values: np.ndarray, mask: np.ndarray | bool) -> np.ndarray:

@@ -1,9 +1,11 @@
 """Restore-first, batched transfer scheduling.
 
 Contract:
-    * Three lanes, each one thread and one handler set: ``up`` (CPU->GPU), ``down`` (GPU->CPU) and
-      ``disk`` (disk->CPU and CPU->disk). Up and down run at the same time, so both PCIe directions
-      are busy at once; the disk lane serves the shared disk.
+    * Lanes come from the handlers: one lane (a thread) per ``TransferHandler.lane`` name. By
+      default three: ``up`` (CPU->GPU), ``down`` (GPU->CPU) and ``disk`` (disk->CPU and
+      CPU->disk). Up and down run at the same time, so both PCIe directions are busy at once;
+      the lanes of the tiers below the CPU (``disk``, and any a handler names) are shared by
+      every GPU.
     * Work is queued as :class:`~kvtier.transfer.base.Moves` batches. Every lane keeps a restore
       queue and an offload queue; a queued restore is always taken before any queued offload.
       ``urgent`` batches (offloads that free room for a waiting restore) go ahead of the other
@@ -46,8 +48,8 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from kvtier.errors import Unavailable
-from kvtier.transfer.base import Moves, TransferHandler
-from kvtier.types import Direction
+from kvtier.transfer.base import Moves, TransferHandler, lane_of
+from kvtier.types import Direction, Tier
 
 log = logging.getLogger(__name__)
 _NONE = np.empty(0, dtype=np.int64)
@@ -57,12 +59,17 @@ TryCompleteFn = Callable[[Moves, list[bool], float], bool]
 # completion after the last copy costs per page, a launch per batch (large pages: no halving).
 TAIL_FLOOR = 8
 TAIL_PAGES = 512
-_LANE_OF = {
-    Direction.CPU_TO_GPU: "up",
-    Direction.GPU_TO_CPU: "down",
-    Direction.DISK_TO_CPU: "disk",
-    Direction.CPU_TO_DISK: "disk",
-}
+SHARED_LANE = "disk"  # the lane below the CPU, there even without handlers (as it always was)
+
+
+def _gpu_side(direction: Direction) -> bool:
+    return Tier.GPU in direction._value_
+
+
+def _kinds(handlers: Mapping[Direction, TransferHandler]) -> list[str]:
+    """The lane names of GPU<->CPU ``handlers``, restore lanes first (``up``, ``down``)."""
+    gpu = [(not d.is_restore, lane_of(d, h)) for d, h in handlers.items() if _gpu_side(d)]
+    return list(dict.fromkeys(lane for _, lane in sorted(gpu)))
 
 
 class _Pending:
@@ -184,12 +191,18 @@ class TransferScheduler:
         self._default = device
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
+        self._kind = {d: lane_of(d, h) for d, h in handlers.items()}  # direction -> lane name
         self._add_lanes(device, "", handlers)
-        disk = {d: h for d, h in handlers.items() if _LANE_OF[d] == "disk"}
-        self._lanes["disk"] = _Lane("disk", self._lock, disk, None)
-        self._lanes["disk"].group = device  # the disk lane shares the default GPU's bound
+        shared: dict[str, dict[Direction, TransferHandler]] = {SHARED_LANE: {}}
+        for d, h in handlers.items():
+            if not _gpu_side(d):
+                shared.setdefault(lane_of(d, h), {})[d] = h
+        for name, mine in shared.items():
+            self._lanes[name] = _Lane(name, self._lock, mine, None)
+            self._lanes[name].group = device  # shared lanes share the default GPU's bound
         for gpu, more in (gpus or {}).items():
             if gpu != device:
+                self._kind.update((d, lane_of(d, h)) for d, h in more.items())
                 self._add_lanes(gpu, f"@{gpu}", more)
         self._inflight = {lane.group: 0 for lane in self._lanes.values()}  # bytes, per GPU
         self._closed = False
@@ -205,16 +218,20 @@ class TransferScheduler:
     def _add_lanes(
         self, device: str, suffix: str, handlers: Mapping[Direction, TransferHandler]
     ) -> None:
-        for kind in ("up", "down"):
-            mine = {d: h for d, h in handlers.items() if _LANE_OF[d] == kind}
+        """One lane per lane name of the GPU<->CPU ``handlers`` (``up``, ``down``)."""
+        for kind in _kinds(handlers):
+            mine = {d: h for d, h in handlers.items() if _gpu_side(d) and lane_of(d, h) == kind}
             self._lanes[kind + suffix] = _Lane(kind + suffix, self._lock, mine, device)
 
-    def _lane_of(self, batch: Moves) -> _Lane:
-        """The lane serving ``batch``: its device's up or down lane, or the shared disk lane."""
-        kind = _LANE_OF[batch.direction]
-        if kind == "disk":
-            return self._lanes["disk"]
-        return self._lanes.get(f"{kind}@{self._device_of(batch)}") or self._lanes[kind]
+    def _lane_of(self, batch: Moves) -> _Lane | None:
+        """The lane serving ``batch``: its device's lane of its kind (``up``/``down``), or a
+        shared one below the CPU; None when no handler serves its direction."""
+        kind = self._kind.get(batch.direction)
+        if kind is None:
+            return None
+        if not _gpu_side(batch.direction):
+            return self._lanes.get(kind)
+        return self._lanes.get(f"{kind}@{self._device_of(batch)}") or self._lanes.get(kind)
 
     @property
     def lanes(self) -> list[str]:
@@ -228,12 +245,14 @@ class TransferScheduler:
             if self._closed:
                 raise Unavailable("transfer scheduler is closed")
             for batch in batches:  # all checked first: a refused submit queues nothing
-                if batch.direction not in self._lane_of(batch).handlers:
+                lane = self._lane_of(batch)
+                if lane is None or batch.direction not in lane.handlers:
                     raise Unavailable(f"no handler for {batch.direction.name}")
             fed = set()
             for batch in batches:
                 if len(batch.srcs):
                     lane = self._lane_of(batch)
+                    assert lane is not None  # checked above
                     lane.queue_for(batch).append(batch)
                     fed.add(lane.name)
             for name in fed:
@@ -243,7 +262,10 @@ class TransferScheduler:
         """The columns of page-table ``rows`` taken out of ``batch`` while it is still queued,
         as ``(rows, srcs, dsts)``; empty for a batch already taken (its copies may be running)."""
         with self._lock:
-            queue = self._lane_of(batch).queue_for(batch)
+            lane = self._lane_of(batch)
+            if lane is None:
+                return _NONE, _NONE, _NONE
+            queue = lane.queue_for(batch)
             if not any(b is batch for b in queue):
                 return _NONE, _NONE, _NONE
             cols = batch.remove(rows)

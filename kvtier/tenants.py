@@ -48,8 +48,7 @@ def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:
     ledger, t = core.ledger, core.table
     owner = ledger.find(tenant)
     mine = np.flatnonzero(t.owner == owner) if owner else np.empty(0, dtype=np.int64)
-    states = t.state[mine]
-    counts = np.bincount(states[(states >= 1) & (states <= 3)], minlength=4)[1:4]
+    counts = t.tier_counts(mine)
     caps = (
         sum(p.num_slots * p.page_size for p in pools),
         core.host.capacity_bytes,

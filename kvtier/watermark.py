@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from kvtier.core import EngineCore
-from kvtier.pagetable import S_CPU
 from kvtier.pool import Pool
+from kvtier.types import Tier
 
 PERSIST_EVERY_S = 2.0
 
@@ -33,8 +33,9 @@ class Watermarks:
         core = self._core
         last_persist = time.monotonic()
         while not self._stop.wait(self._interval):
-            if core.disk is not None and time.monotonic() - last_persist > PERSIST_EVERY_S:
-                core.disk.persist()  # bounds what a kill -9 can lose of the keyed-page index
+            if core.media and time.monotonic() - last_persist > PERSIST_EVERY_S:
+                for medium in core.media.values():  # bounds what a kill -9 can lose of the
+                    medium.persist()  # keyed-page index
                 last_persist = time.monotonic()
             if not core.config.enabled:
                 continue
@@ -56,7 +57,7 @@ class Watermarks:
         elif cfg.prefetch and used < cfg.low_watermark * pool.num_slots:
             room = math.floor(cfg.low_watermark * pool.num_slots) - used
             rows = t.of_pool(pool.pool_id)
-            cold = rows[t.state[rows] == S_CPU]
+            cold = rows[t.at(rows, Tier.CPU)]
             if len(cold) and room > 0:
                 newest = cold[np.argsort(-t.ids(cold), kind="stable")]
                 core.starts.restore_cpu(pool, newest[:room], urgent=False)

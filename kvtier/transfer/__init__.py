@@ -1,4 +1,4 @@
-"""Transfer handlers, one per medium pair; ``build_handlers`` picks CUDA or CPU-mode ones."""
+"""Transfer handlers, one per medium pair (``registry.py``); ``build_handlers`` picks them."""
 
 from __future__ import annotations
 
@@ -7,35 +7,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.transfer.base import Moves, TransferHandler
+from kvtier.transfer.registry import RouteContext
+from kvtier.transfer.registry import build_handlers as _build
 from kvtier.types import Direction
 
 if TYPE_CHECKING:
-    from kvtier.tiers.disk import DiskStore
+    from kvtier.tiers.medium import SlotMedium
     from kvtier.tiers.pinned import HostArena
 
 __all__ = ["Moves", "TransferHandler", "build_handlers", "build_inline_restore"]
 
 
 def build_handlers(
-    device: torch.device, host: HostArena, disk: DiskStore | None, staging_bytes: int
+    device: torch.device,
+    host: HostArena,
+    lower: SlotMedium | None,
+    staging_bytes: int,
+    lower_name: str = "disk",
 ) -> dict[Direction, TransferHandler]:
-    handlers: dict[Direction, TransferHandler] = {}
-    if device.type == "cuda":
-        from kvtier.transfer.cuda import CudaOffload, CudaRestore
-
-        handlers[Direction.GPU_TO_CPU] = CudaOffload(host, device, staging_bytes)
-        handlers[Direction.CPU_TO_GPU] = CudaRestore(host, device, staging_bytes)
-    else:
-        from kvtier.transfer.host import HostOffload, HostRestore
-
-        handlers[Direction.GPU_TO_CPU] = HostOffload(host)
-        handlers[Direction.CPU_TO_GPU] = HostRestore(host)
-    if disk is not None:
-        from kvtier.transfer.disk import DiskRead, DiskWrite
-
-        handlers[Direction.CPU_TO_DISK] = DiskWrite(host, disk)
-        handlers[Direction.DISK_TO_CPU] = DiskRead(host, disk)
-    return handlers
+    """The registered handler of each direction: GPU<->CPU for ``device``, CPU<->``lower``
+    (the chain's medium below the CPU, named ``lower_name``) when there is one."""
+    return _build(RouteContext(device, host, lower, staging_bytes), lower_name)
 
 
 def build_inline_restore(

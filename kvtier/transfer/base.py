@@ -40,6 +40,15 @@ def as_index(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
+def lane_of(direction: Direction, handler: TransferHandler) -> str:
+    """The lane of ``handler``'s batches in ``direction``: its own ``lane``, else ``up`` into
+    the GPU, ``down`` out of it, ``disk`` between the tiers below the GPU."""
+    if handler.lane:
+        return handler.lane
+    src, dst = direction._value_
+    return "up" if dst == 0 else "down" if src == 0 else "disk"
+
+
 @dataclass(slots=True, eq=False, weakref_slot=True)
 class Moves:
     """Copies of pages of one size, in one direction, touching at most one GPU pool.
@@ -134,6 +143,9 @@ class TransferHandler(ABC):
 
     direction: Direction
     depth = 2  # batches a lane may keep in flight on this handler (launched, not yet waited)
+    # The scheduler lane that runs this handler's batches: the scheduler makes one lane per
+    # name (per GPU for GPU<->CPU handlers). None: ``lane_of``'s default for the direction.
+    lane: str | None = None
 
     @abstractmethod
     def run(self, batch: Moves) -> list[bool]: ...

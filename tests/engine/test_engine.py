@@ -107,8 +107,8 @@ def test_a_page_freed_while_its_acquire_waits_fails_the_acquire_naming_it(make_e
     assert len(on_disk) == 2
     gate = threading.Event()
     reader = engine._core.scheduler._handlers[Direction.DISK_TO_CPU]
-    real = reader.run
-    reader.run = lambda batch: (gate.wait(10), real(batch))[1]  # the real read, held back
+    real = reader.launch
+    reader.launch = lambda batch: (gate.wait(10), real(batch))[1]  # the real read, held back
     errors: list[BaseException] = []
 
     def acquire() -> None:

@@ -8,15 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.errors import NotFound
-from kvtier.pagetable import ROW_BITS, S_CPU, S_GPU, S_NONE, PageTable, by_value
-from kvtier.types import PoolId
+from kvtier.pagetable import _S_NONE as S_NONE  # the table's own code for "no page"
+from kvtier.pagetable import ROW_BITS, PageTable, by_value
+from kvtier.types import PoolId, Tier
 
 POOL = PoolId(7)
 
 
-def _pages(table: PageTable, n: int, pool: int = POOL, state: int = S_GPU) -> np.ndarray:
-    rows = table.new_rows(n)
-    table.pool[rows], table.state[rows] = pool, state
+def _pages(table: PageTable, n: int, pool: int = POOL, tier: Tier = Tier.GPU) -> np.ndarray:
+    rows = table.add(n, pool=pool, size=4096)
+    table.settle(rows, tier, np.zeros(n, dtype=np.int64))
     return rows
 
 
@@ -69,7 +70,7 @@ def test_unique_keeps_first_occurrences_in_order(values: list[int]) -> None:
 
 def test_keys_are_forgotten_with_their_row() -> None:
     table = PageTable()
-    rows = _pages(table, 2, pool=0, state=S_CPU)
+    rows = _pages(table, 2, pool=0, tier=Tier.CPU)
     table.add_key(int(rows[0]), b"k0", "tenant")
     assert table.keyed(b"k0") == rows[0]
     table.remove(rows[:1])
@@ -78,8 +79,8 @@ def test_keys_are_forgotten_with_their_row() -> None:
 
 def test_tier_counts_and_by_value() -> None:
     table = PageTable()
-    _pages(table, 3, state=S_GPU)
-    _pages(table, 2, state=S_CPU)
+    _pages(table, 3, tier=Tier.GPU)
+    _pages(table, 2, tier=Tier.CPU)
     assert table.tier_counts().tolist() == [3, 2, 0]
     groups = by_value(np.array([5, 3, 5, 3, 9]))
     assert [(k, pos.tolist()) for k, pos in groups] == [(5, [0, 2]), (3, [1, 3]), (9, [4])]

@@ -12,7 +12,6 @@ import torch
 
 from kvtier import Tier
 from kvtier.errors import CapacityError
-from kvtier.pagetable import S_CPU, S_DISK, S_GPU
 from tests.conftest import PAGE
 
 CPU_PAGES = 64
@@ -61,9 +60,9 @@ def ledger_matches_table(engine) -> None:
     t, ledger = core.table, core.ledger
     assert engine.wait_idle(30)
     with core.cond:
-        live = np.flatnonzero(t.state != 0)
-        for tier, state in ((Tier.CPU, S_CPU), (Tier.DISK, S_DISK), (Tier.GPU, S_GPU)):
-            rows = live[t.state[live] == state]
+        live = t.live_rows()
+        for tier in (Tier.CPU, Tier.DISK, Tier.GPU):
+            rows = live[t.at(live, tier)]
             want = np.bincount(t.owner[rows], weights=t.size[rows], minlength=len(ledger.names))
             assert ledger.settled[tier].tolist() == want.astype(np.int64).tolist(), tier
             assert not ledger.incoming[tier].any(), tier

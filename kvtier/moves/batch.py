@@ -1,6 +1,6 @@
-"""Bulk moves: the engine core's per-batch preparation and completion of page moves.
+"""Bulk moves: the per-batch preparation and completion of page moves, over the placement.
 
-Contract (everything runs with the engine lock held, like the core it serves):
+Contract (everything runs with the engine lock held):
     * ``prepare(rows, direction, dsts, urgent)`` turns pages of one direction into
       :class:`Moves` batches, one per pool (GPU side) or page size (disk side): the pages leave
       their tier's policy in one call, are marked moving, and the table's ``move`` column numbers
@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.batches import Frees
 from kvtier.events import Event
-from kvtier.pagetable import S_DOWN, S_UP, by_value
+from kvtier.moves.frees import Frees
+from kvtier.pagetable import by_value
+from kvtier.placement import Placement
+from kvtier.readiness import ReadyEvents
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId, Tier
 
 if TYPE_CHECKING:
-    from kvtier.core import EngineCore
     from kvtier.pool import Pool
 
 _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
@@ -39,8 +40,10 @@ _GPU_SIDE = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
 class BulkMoves:
     """See the module docstring."""
 
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
+    def __init__(self, place: Placement, ready: ReadyEvents) -> None:
+        """``ready``: the GPU-side events a copy out of a pool waits for (its last use)."""
+        self._place = place
+        self._ready = ready
         # Numbers, not objects, in the table: an object column costs a reference count per
         # page on every write. A batch no queue holds any more drops out by itself.
         self._batches: weakref.WeakValueDictionary[int, Moves] = weakref.WeakValueDictionary()
@@ -60,18 +63,18 @@ class BulkMoves:
     ) -> list[Moves]:
         """The batches moving ``rows`` to ``dsts``: out of their tier's policy, marked moving
         (``final``: the caller queues nothing after them, see ``Moves.final``)."""
-        core, t = self._core, self._core.table
+        place, t = self._place, self._place.table
         gpu_side = direction in _GPU_SIDE
         out: list[Moves] = []
         for key, pos in by_value(t.pool[rows] if gpu_side else t.size[rows]):
             whole = len(pos) == len(rows)
             group, gdsts = (rows, dsts) if whole else (rows[pos], dsts[pos])
             size = int(t.size[group[0]])
-            pool = core.pools[PoolId(key)] if gpu_side else None
-            core.unsettle(group, direction.src, pool, size)
+            pool = place.pools[PoolId(key)] if gpu_side else None
+            place.unsettle(group, direction.src, pool, size)
             if pool is not None and direction is Direction.GPU_TO_CPU:
                 pool.moving_down += len(group)
-            events = core.ready.events(t.ready[group]) if gpu_side else []
+            events = self._ready.events(t.ready[group]) if gpu_side else []
             batch = Moves(
                 direction,
                 size,
@@ -85,11 +88,10 @@ class BulkMoves:
                 final=final,
             )
             if direction.dst is not Tier.GPU:  # the destination slots are the tenant's now
-                core.ledger.incoming[direction.dst] += core.ledger.per_owner(t.owner[group], size)
+                place.ledger.incoming[direction.dst] += place.ledger.per_owner(t.owner[group], size)
             number = next(self._numbers)
             self._batches[number] = batch
-            t.move[group] = number
-            t.state[group] = S_UP if direction.is_restore else S_DOWN
+            t.mark_moving(group, direction.is_restore, number)
             out.append(batch)
         return out
 
@@ -113,18 +115,18 @@ class BulkMoves:
     ) -> None:
         """A copy batch: stored blocks (GPU->CPU) settle in the CPU tier or are forgotten;
         loads leave their pages as they are."""
-        core = self._core
+        place = self._place
         if batch.direction is not Direction.GPU_TO_CPU:
             return
-        ledger = core.ledger
-        ledger.incoming[Tier.CPU] -= ledger.per_owner(core.table.owner[rows], batch.page_size)
+        ledger = place.ledger
+        ledger.incoming[Tier.CPU] -= ledger.per_owner(place.table.owner[rows], batch.page_size)
         good, bad = (rows, rows[:0]) if ok is None else (rows[ok], rows[~ok])
         if len(good):
-            core.settle(good, Tier.CPU, dsts if ok is None else dsts[ok], None)
+            place.settle(good, Tier.CPU, dsts if ok is None else dsts[ok], None)
         if len(bad):
             assert ok is not None
-            core.free_slots(Tier.CPU, batch.page_size, dsts[~ok], None)
-            core.table.remove(bad)
+            place.free_slots(Tier.CPU, batch.page_size, dsts[~ok], None)
+            place.table.remove(bad)
 
     def finish_cols(
         self,
@@ -139,14 +141,13 @@ class BulkMoves:
     ) -> None:
         """Complete moves of ``rows`` (one pool or page size); ``ok`` None = all succeeded.
         ``corrupt``: a failed disk read means bad bytes (drop), not a cancelled one."""
-        core, t = self._core, self._core.table
+        place, t = self._place, self._place.table
         src, dst = direction._value_
-        t.move[rows] = 0
         size = int(t.size[rows[0]])
         if dst is not Tier.GPU:  # reserved at ``prepare``: settled below, or given back
-            core.ledger.incoming[dst] -= core.ledger.per_owner(t.owner[rows], size)
+            place.ledger.incoming[dst] -= place.ledger.per_owner(t.owner[rows], size)
         pool_id = int(t.pool[rows[0]])
-        pool = core.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None
+        pool = place.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None
         if pool is not None and src is Tier.GPU:
             pool.moving_down -= len(rows)
         if ok is None:
@@ -158,7 +159,7 @@ class BulkMoves:
             self._failed(rows[bad], direction, srcs[bad], dsts[bad], pool, size, corrupt)
         doomed = rows[t.doomed[rows]]
         if len(doomed):
-            frees.apply(core)  # the pages' own slots must be settled before they go
+            frees.apply(place)  # the pages' own slots must be settled before they go
             self._release_doomed(doomed)
 
     def _settled(
@@ -173,19 +174,19 @@ class BulkMoves:
     ) -> None:
         if not len(rows):
             return
-        core = self._core
+        place = self._place
         src, dst = direction._value_
         frees.add(src, pool, size, srcs)
-        core.settle(rows, dst, dsts, pool)
-        if dst is Tier.DISK:
-            core.set_disk_records(rows, size)
+        place.settle(rows, dst, dsts, pool)
+        if dst in place.media:  # a slot medium below the CPU keeps keyed pages' records
+            place.set_disk_records(rows, size, dst)
         if dst is Tier.GPU:
             assert pool is not None
-            core.land(pool, rows)
-        if core.events.active:
-            t = core.table
+            place.land(pool, rows)
+        if place.events.active:
+            t = place.table
             for page_id, pool_id in zip(t.ids(rows).tolist(), t.pool[rows].tolist(), strict=True):
-                core.events.publish(Event("moved", pool_id or None, page_id, src, dst))
+                place.events.publish(Event("moved", pool_id or None, page_id, src, dst))
 
     def _failed(
         self,
@@ -199,20 +200,20 @@ class BulkMoves:
     ) -> None:
         if not len(rows):
             return
-        core = self._core
+        place = self._place
         src, dst = direction._value_
-        core.free_slots(dst, size, dsts, pool)
-        core.settle(rows, src, srcs, pool)
+        place.free_slots(dst, size, dsts, pool)
+        place.settle(rows, src, srcs, pool)
         if src is Tier.GPU:
             assert pool is not None
-            core.land(pool, rows)
-        if direction is Direction.DISK_TO_CPU and corrupt and not core.closed:
-            core.counters.checksum_failures += len(rows)
-            core.drop(rows, "corrupt")
+            place.land(pool, rows)
+        if direction is Direction.DISK_TO_CPU and corrupt and not place.closed:
+            place.counters.checksum_failures += len(rows)
+            place.drop(rows, "corrupt")
 
     def _release_doomed(self, rows: np.ndarray) -> None:
-        core, t = self._core, self._core.table
+        place, t = self._place, self._place.table
         ids, pools = t.ids(rows).tolist(), t.pool[rows].tolist()
-        core.release(rows)
+        place.release(rows)
         for page_id, pool_id in zip(ids, pools, strict=True):
-            core.events.publish(Event("freed", pool_id or None, page_id, None, None))
+            place.events.publish(Event("freed", pool_id or None, page_id, None, None))

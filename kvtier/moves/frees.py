@@ -1,4 +1,4 @@
-"""Per-batch helpers of the engine core: bulk slot frees, growing prepare chunks."""
+"""Frees: the source slots of completed moves, given back to their tiers in bulk."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
-    from kvtier.core import EngineCore
+    from kvtier.placement import Placement
     from kvtier.pool import Pool
 
 
@@ -29,21 +29,8 @@ class Frees:
         else:
             entry[1].append(slots)
 
-    def apply(self, core: EngineCore) -> None:
+    def apply(self, place: Placement) -> None:
         for (tier, key), (pool, parts) in self._slots.items():
             slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            core.free_slots(tier, key, slots, pool)
+            place.free_slots(tier, key, slots, pool)
         self._slots.clear()
-
-
-def growing_chunks(n: int, step: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in chunks of 2, 4, 8, ... times ``step`` items: the first two batches'
-    copies start at once (a lane launches the second while the first copies, so it never waits
-    on the caller's next chunk with its copy engine idle), and each later chunk is prepared
-    while the lanes copy the ones before it, in a handful of passes whatever ``n``."""
-    out, lo, size = [], 0, 2 * step
-    while lo < n:
-        out.append((lo, min(n, lo + size)))
-        lo += size
-        size *= 2
-    return out

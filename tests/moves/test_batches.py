@@ -83,23 +83,27 @@ def test_take_halves_the_end_of_a_final_queue_down_to_the_least() -> None:
 
 
 def test_batch_counters_count_bytes_of_successes_only() -> None:
-    from kvtier.core import EngineCore
+    from kvtier.moves.completion import Completion
+    from kvtier.placement import Placement
     from kvtier.stats import EngineCounters
 
-    core = EngineCore.__new__(EngineCore)  # only the counters are needed
+    core = Placement.__new__(Placement)  # only the counters are needed
     core.counters = EngineCounters()
+    completion = Completion.__new__(Completion)
+    completion._place = core
     down = _raw(4096, range(3))
-    core._count(down, [True, True, True], 0.5)
-    core._count(down, [True, False, True], 0.25)
+    completion._count(down, [True, True, True], 0.5)
+    completion._count(down, [True, False, True], 0.25)
     c = core.counters.moved[DOWN]
     assert (c.bytes, c.pages, c.failures, c.batches) == (5 * 4096, 5, 1, 2)
     assert c.seconds == 0.75
-    core._count(Moves(Direction.CPU_TO_GPU, 4096, [0], [0]), [False], 0.0)  # close(): leftovers
+    leftovers = Moves(Direction.CPU_TO_GPU, 4096, [0], [0])  # close()
+    completion._count(leftovers, [False], 0.0)
     assert core.counters.moved[Direction.CPU_TO_GPU].failures == 1
 
 
 def test_growing_chunks_start_with_two_batches_and_double() -> None:
-    from kvtier.batches import growing_chunks
+    from kvtier.moves.starter import growing_chunks
 
     assert growing_chunks(16, 1) == [(0, 2), (2, 6), (6, 14), (14, 16)]
     assert growing_chunks(3, 4) == [(0, 3)]

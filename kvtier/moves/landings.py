@@ -8,6 +8,8 @@ Contract (every method runs with the engine lock held, the lock this object was 
       ``target`` (True) or ``deadline`` passes (False); ``check_open()`` runs after every
       wake-up (it raises once the engine is closed) and wake-ups come at least every 50 ms.
     * ``wake()``: wake every waiter (the engine is closing).
+    * ``restore_waiters``: how many acquires wait on a restore now (they count themselves in
+      and out); while any does, offload completions yield to restores.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Landings:
 
     def __init__(self, lock: threading.RLock) -> None:
         self.ended = 0
+        self.restore_waiters = 0
         self._cond = threading.Condition(lock)
         self._targets: list[int] = []
 
