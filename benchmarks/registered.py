@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kvtier.client._vllm_pages import block_segments
+from kvtier.client.block_rows import block_segments
 from rawcopy import median_gbs, pinned_copy, timed
 
 import kvtier.transfer.segtable as segtable

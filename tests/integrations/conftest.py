@@ -1,4 +1,9 @@
-"""Shared fixtures of the integration tests: tiny local models and a real daemon subprocess."""
+"""Shared fixtures of the integration tests: tiny local models and a real daemon subprocess.
+
+The tests of ``kvtier/integrations/vllm`` and ``/transformers`` live in ``with_vllm/`` and
+``with_transformers/``: a test folder named ``vllm`` on ``sys.path`` (this one is) would import
+as a namespace package where vLLM is not installed, and ``importorskip("vllm")`` would not skip.
+"""
 
 from __future__ import annotations
 

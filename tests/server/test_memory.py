@@ -205,9 +205,8 @@ def test_another_tenant_cannot_name_a_pools_memory(spawn: Callable[..., Daemon])
 
 def test_pool_memory_is_no_file_and_kill_9_leaves_nothing(spawn: Callable[..., Daemon]) -> None:
     from kvtier.client._backend import as_backend
-    from kvtier.client._vllm_pages import BlockRows
-    from kvtier.client._vllm_sched import BlockTransfer
-    from kvtier.client._vllm_worker import BlockMover
+    from kvtier.client.block_mover import BlockMover, BlockTransfer
+    from kvtier.client.block_rows import BlockRows
 
     d = spawn()
     with d.client("vllm") as c:

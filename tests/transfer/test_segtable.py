@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvtier.client._vllm_pages import block_segments
+from kvtier.client.block_rows import block_segments
 
 from kvtier.transfer.segtable import SegmentTable
 

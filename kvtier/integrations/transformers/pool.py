@@ -1,4 +1,4 @@
-"""Pool pages for ``ConversationStore(..., keep_on_gpu=True)`` (see ``hf_cache``).
+"""Pool pages for ``ConversationStore(..., keep_on_gpu=True)`` (see ``cache``).
 
 Instead of keyed pages (CPU and disk tiers only), a conversation's blocks live as ordinary pages
 of one attached pool, so they start on the GPU tier and the engine moves them like any other
@@ -24,10 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.client._backend import Backend, ClientBackend, EngineBackend, Staging
 from kvtier.errors import PageLost
 from kvtier.types import Tier
-
-from ._backend import Backend, ClientBackend, EngineBackend, Staging
 
 
 def write_rows(pool: Staging, slots: Sequence[int], rows: torch.Tensor) -> None:

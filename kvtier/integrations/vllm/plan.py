@@ -6,39 +6,36 @@ blocks kvtier already holds. Contract with vLLM's scheduler (``KVConnectorBase_V
 - ``matched_tokens(request, num_computed)``: tokens beyond ``num_computed`` that kvtier holds —
   the longest stored prefix of the request's chained block keys, never the last token (vLLM must
   compute at least one). Side-effect free apart from remembering the hit for the next call.
+  ``None`` (vLLM asks again next step) while the first missing block is one this engine planned
+  to store less than ``store_wait_s`` ago: its store is still in flight on the worker.
 - ``after_alloc(request, block_ids, num_external)``: plan the load of those tokens' blocks.
 - ``build(new_reqs, cached_reqs, num_scheduled)``: this step's ``(loads, stores)``; a store covers
   every block that becomes full in this step (prompt or output) and kvtier does not hold yet, and
   names the request's earlier blocks (``prefix_ids``) so the worker can refuse a run whose chain
   met a block that failed to load. When vLLM rewinds a request (a failed load, a preemption) the
   blocks it recomputes are planned for storing again.
-- ``finished(req_id)``: forget the request (stores are synchronous, so blocks may be freed now).
+- ``finished(req_id) -> bool``: forget the request; ``True`` when stores were planned for it
+  (with ``async_stores``): vLLM then keeps its blocks until the workers report it through
+  ``get_finished``, which they learn from ``take_delayed()`` in the next step's metadata.
 
 Keys are vLLM's own block hashes re-keyed into our namespace when they are reproducible across
 processes; otherwise chained hashes of the token ids. Either way the namespace is the engine's
-(``_vllm_identity.engine_namespace``) plus the request's salt (LoRA adapter, ``cache_salt``,
-multimodal inputs: ``_vllm_identity.request_salt``), so nothing that changes KV for the same
+(``identity.engine_namespace``) plus the request's salt (LoRA adapter, ``cache_salt``,
+multimodal inputs: ``identity.request_salt``), so nothing that changes KV for the same
 tokens is left out on any path.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._blocks import chain_keys, namespace, rekey
-from ._vllm_identity import request_salt
+from kvtier.client._blocks import chain_keys, namespace, rekey
+from kvtier.client.block_mover import BlockTransfer
 
-
-@dataclass(slots=True)
-class BlockTransfer:
-    """Copy ``len(keys)`` pages between kvtier (by key) and vLLM blocks (by id), in order."""
-
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-    prefix_ids: list[int] = field(default_factory=list)  # the chain's blocks before block_ids
+from .identity import request_salt
 
 
 @dataclass(slots=True)
@@ -53,15 +50,21 @@ class _Req:
 class LoadStorePlanner:
     """Not thread-safe: vLLM calls the scheduler connector from one thread."""
 
-    def __init__(self, lookup: Callable[[list[bytes]], int], block_size: int, ns: bytes,
-                 *, use_engine_hashes: bool) -> None:
-        self._lookup = lookup
+    def __init__(self, lookup: Callable[[list[bytes]], int | None], block_size: int, ns: bytes,
+                 *, use_engine_hashes: bool, async_stores: bool = False,
+                 store_wait_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._lookup = lookup  # None: the daemon is away (a miss not worth waiting for)
         self.block_size = block_size
         self.ns = ns
         self.use_engine_hashes = use_engine_hashes
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}
         self._loads: list[BlockTransfer] = []
+        self._async, self._wait_s, self._clock = async_stores, store_wait_s, clock
+        self._pending: dict[bytes, float] = {}  # key planned for storing -> wait for it until
+        self._stored: set[str] = set()  # requests with stores planned
+        self._delayed: list[str] = []
 
     # --- keys -------------------------------------------------------------------------------
     def keys(self, request: Any, n: int) -> list[bytes]:
@@ -91,9 +94,15 @@ class LoadStorePlanner:
         return namespace(self.ns, salt) if salt else self.ns
 
     # --- vLLM scheduler hooks ---------------------------------------------------------------
-    def matched_tokens(self, request: Any, num_computed: int) -> int:
+    def matched_tokens(self, request: Any, num_computed: int) -> int | None:
         n = max(0, (request.num_tokens - 1) // self.block_size)
-        hits = self._lookup(self.keys(request, n)) if n else 0
+        keys = self.keys(request, n)
+        found = self._lookup(keys) if n else 0
+        hits = found or 0
+        for k in keys[:hits]:
+            self._pending.pop(k, None)
+        if found is not None and hits < n and self._pending.get(keys[hits], 0.0) > self._clock():
+            return None  # our own store of the next block is in flight: ask again next step
         self._hits[request.request_id] = hits
         return max(0, hits * self.block_size - num_computed)
 
@@ -139,7 +148,17 @@ class LoadStorePlanner:
             if t is not None:
                 stores.append(t)
         loads, self._loads = self._loads, []
+        if self._async:
+            self._in_flight(stores)
         return loads, stores
+
+    def _in_flight(self, stores: list[BlockTransfer]) -> None:
+        now = self._clock()
+        self._pending = {k: t for k, t in self._pending.items() if t > now}
+        for t in stores:
+            self._stored.add(t.req_id)
+            for k in t.keys:
+                self._pending[k] = now + self._wait_s
 
     def _store_plan(self, st: _Req, computed_after: int) -> BlockTransfer | None:
         full = min(computed_after // self.block_size, len(st.block_ids),
@@ -152,6 +171,16 @@ class LoadStorePlanner:
         st.held = full
         return t
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str) -> bool:
         self._reqs.pop(req_id, None)
         self._hits.pop(req_id, None)
+        if req_id not in self._stored:
+            return False
+        self._stored.discard(req_id)
+        self._delayed.append(req_id)
+        return True
+
+    def take_delayed(self) -> list[str]:
+        """Requests delayed since the last call (the workers report each when its stores end)."""
+        out, self._delayed = self._delayed, []
+        return out

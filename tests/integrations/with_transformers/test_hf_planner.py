@@ -11,11 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvtier.client.hf_cache import ConversationStore  # noqa: E402
-from kvtier.client.hf_static import StaticPrefill  # noqa: E402
 from tiny_model import TinyShape, random_llama  # noqa: E402
 
 from kvtier import OffloadConfig, Tier, TierEngine  # noqa: E402
+from kvtier.integrations.transformers.cache import ConversationStore  # noqa: E402
+from kvtier.integrations.transformers.static import StaticPrefill  # noqa: E402
 from kvtier.planner import LoadPlanner, PrefillModel, TierCost  # noqa: E402
 
 BLOCK = 16

@@ -9,7 +9,7 @@
   early (dropped or corrupt block) just restores fewer tokens: never wrong KV.
 - ``restore_into(kv, token_ids, planner=None) -> int``: the same prefix copied into a
   preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer (a static cache, e.g.
-  ``hf_static``'s) in one copy; returns how many tokens. With a ``kvtier.planner.LoadPlanner``
+  ``static``'s) in one copy; returns how many tokens. With a ``kvtier.planner.LoadPlanner``
   only the leading stored blocks that are cheaper to load than to recompute are loaded
   (``last_plan`` says what was chosen).
 - ``save(cache, token_ids) -> int``: after a turn, store the full blocks of ``token_ids`` whose KV
@@ -18,7 +18,7 @@
 
 By default blocks are stored as keyed pages (CPU and disk tiers; they outlive the store and are
 shared by every store of the tenant). ``keep_on_gpu=True`` keeps this store's blocks as ordinary
-pages of its own pool of ``gpu_slots`` slots instead (see ``_hf_pool``): they start on the GPU
+pages of its own pool of ``gpu_slots`` slots instead (see ``pool``): they start on the GPU
 tier, the engine offloads and restores them like any page (``pool_id`` / ``page_ids()`` name
 them), and they are freed by ``close``. Restore then takes the pool's pages first and continues
 with keyed pages for the rest of the prefix. ``cache.restored_tiers`` counts where each block
@@ -41,13 +41,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvtier.client._backend import Backend, Staging, as_backend, round_page
+from kvtier.client._blocks import KeyChains, namespace
 from kvtier.errors import CapacityError
 from kvtier.planner import LoadPlanner, Plan
 from kvtier.types import Tier
 
-from ._backend import Backend, Staging, as_backend, round_page
-from ._blocks import KeyChains, namespace
-from ._hf_pool import PoolPages, staged_rows, write_rows
+from .pool import PoolPages, staged_rows, write_rows
 
 _Take = Callable[[torch.Tensor, int], object]  # (rows [n, raw] uint8, index of the first block)
 _Cut = Callable[[list[Tier], int], int]  # (tiers of the stored blocks, first block) -> to load

@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ._blocks import KEY_BYTES, namespace
+from kvtier.client._blocks import KEY_BYTES, namespace
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
 _SAMPLE = 64 * 1024

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from .hf_cache import KVLayout
+from .cache import KVLayout
 
 ATTENTION = "kvtier_static"
 

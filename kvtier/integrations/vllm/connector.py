@@ -3,7 +3,7 @@
 Load it with::
 
     kv_transfer_config={"kv_connector": "KVTierConnector",
-                        "kv_connector_module_path": "kvtier.client.vllm_connector",
+                        "kv_connector_module_path": "kvtier.integrations.vllm.connector",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"address": "unix:///run/kvtier.sock",
                                                       "tenant": "team-a"}}
@@ -13,12 +13,23 @@ Extra config (:class:`ConnectorOptions`): ``address`` (required), ``tenant`` (``
 ``timeout`` (s, 5), ``mode`` (``auto`` | ``register`` | ``copy``: register vLLM's CUDA KV
 tensors with the daemon, or copy through a daemon staging pool; ``auto`` registers CUDA memory
 and copies CPU memory), ``staging_slots`` (64), ``stats_file`` (write the worker's counters there
-as JSON after every step that moved blocks).
+as JSON after every step that moved blocks and every store that ended), ``stores`` (``async``:
+after the forward, off the step; ``sync``: in ``wait_for_save``, after a device synchronize),
+``loads`` (``layer``: ``wait_for_layer_load`` waits per layer; ``block``: all in
+``start_load_kv``), ``store_wait_s`` (1.0: how long a lookup waits for this engine's own store
+of the next block still in flight) and ``store_timeout_s`` (30: how long shutdown waits for
+stores in flight).
 
 Scheduler side: the number of prompt tokens kvtier holds is the longest stored prefix of the
 request's chained block keys that *every* tensor/pipeline rank holds, planned into loads and
-stores by ``LoadStorePlanner``. Worker side (``WorkerSteps``): loads run synchronously in
-``start_load_kv`` before the forward; full blocks are stored in ``wait_for_save`` after it.
+stores by ``LoadStorePlanner``. Worker side (``WorkerSteps``): ``start_load_kv`` issues the
+step's loads on a loader thread and ``wait_for_layer_load(layer)`` waits for that layer's copies
+only, so the copies of later layers overlap the forward of earlier ones. ``wait_for_save``
+records an event on the current stream and hands the step's full blocks to a store thread,
+which stores them once the event has completed: no device synchronize and no store in the step.
+A request with stores planned is finished with ``request_finished -> True`` (vLLM keeps its
+blocks) and reported by ``get_finished`` once its stores have ended; a preemption
+(``handle_preemptions``) waits for the stores in flight before vLLM reuses any block.
 
 What identifies a cache entry (a page = one block across the rank's layers):
 
@@ -50,7 +61,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+import threading
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -60,11 +72,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ._vllm_identity import Rank, all_rank_keys, engine_namespace
-from ._vllm_link import DaemonLink
-from ._vllm_pages import BlockRows, block_segments
-from ._vllm_sched import BlockTransfer, LoadStorePlanner
-from ._vllm_steps import WorkerSteps
+from kvtier.client.block_rows import BlockRows, block_segments
+
+from .identity import Rank, all_rank_keys, engine_namespace
+from .link import DaemonLink
+from .plan import BlockTransfer, LoadStorePlanner
+from .steps import WorkerSteps
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +98,10 @@ class ConnectorOptions:
     mode: str = "auto"
     staging_slots: int = 64
     stats_file: str = ""
+    stores: str = "async"
+    loads: str = "layer"
+    store_wait_s: float = 1.0
+    store_timeout_s: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -102,15 +119,28 @@ class ConnectorOptions:
                 f"kv_connector_extra_config.mode={opts.mode!r}; accepted: auto|register|copy")
         if opts.staging_slots <= 0:
             raise ValueError("kv_connector_extra_config.staging_slots must be positive")
+        for name, accepted in (("stores", ("async", "sync")), ("loads", ("layer", "block"))):
+            if getattr(opts, name) not in accepted:
+                raise ValueError(f"kv_connector_extra_config.{name}={getattr(opts, name)!r}; "
+                                 f"accepted: {'|'.join(accepted)}")
+        for name in ("timeout", "store_wait_s", "store_timeout_s"):
+            value = getattr(opts, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"kv_connector_extra_config.{name}={value!r}; "
+                                 "accepted: a number of seconds >= 0")
         return opts
 
 
 @dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → worker, one step: blocks to load before the forward and store after it."""
+    """Scheduler → worker, one step: blocks to load before the forward and store after it;
+    requests whose blocks vLLM keeps until ``get_finished`` reports them; whether a request was
+    preempted (its blocks may be reused: stores in flight must end first)."""
 
     loads: list[BlockTransfer]
     stores: list[BlockTransfer]
+    delayed: list[str] = field(default_factory=list)
+    flush: bool = False
 
 
 def _engine_hashes_usable(cfg: Any) -> bool:
@@ -160,11 +190,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self._planner: LoadStorePlanner | None = None
         self._steps: WorkerSteps | None = None
         self._invalid: set[int] = set()
+        self._delayed: set[str] = set()
+        self._flushes = 0  # preemptions that waited for the stores in flight
+        self._stats_lock = threading.Lock()
         self._rank = Rank()
         if role == KVConnectorRole.SCHEDULER:
             self._planner = LoadStorePlanner(
                 self._lookup, self._block_size, engine_namespace(vllm_config, kv_cache_config),
-                use_engine_hashes=_engine_hashes_usable(vllm_config))
+                use_engine_hashes=_engine_hashes_usable(vllm_config),
+                async_stores=self._opts.stores == "async", store_wait_s=self._opts.store_wait_s)
         else:
             self._rank = _rank(vllm_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -174,28 +208,29 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # --- shared -----------------------------------------------------------------------------
     def _connect(self) -> Any:
-        from .sync import connect
+        from kvtier.client.sync import connect
 
         o = self._opts
         return connect(o.address, tenant=o.tenant, token=o.token or None, timeout=o.timeout,
                        tenant_token_file=o.tenant_token_file or None)
 
-    def _lookup(self, keys: list[bytes]) -> int:
-        """Leading blocks of ``keys`` that every rank holds; 0 while the daemon is away."""
+    def _lookup(self, keys: list[bytes]) -> int | None:
+        """Leading blocks of ``keys`` that every rank holds; ``None`` while the daemon is away."""
         if not self._link.ready():
-            return 0
+            return None
         tp, pp = self._sizes
         try:
             found = len(self._link.client().lookup(all_rank_keys(keys, tp, pp)))
         except Exception as exc:  # a daemon outage is a miss, never a failed request
             self._link.failed(exc)
-            return 0
+            return None
         self._link.ok()
         return found // (tp * pp)
 
     def shutdown(self) -> None:
         if self._steps is not None:
-            self._steps.close()
+            self._steps.close()  # waits (bounded) for the stores in flight
+            self._write_stats()
         self._link.close()
 
     # --- scheduler side ---------------------------------------------------------------------
@@ -214,13 +249,16 @@ class KVTierConnector(KVConnectorBase_V1):
         loads, stores = self._planner.build(so.scheduled_new_reqs, so.scheduled_cached_reqs,
                                             so.num_scheduled_tokens,
                                             so.scheduled_spec_decode_tokens)
-        return KVTierConnectorMetadata(loads=loads, stores=stores)
+        return KVTierConnectorMetadata(loads=loads, stores=stores,
+                                       delayed=self._planner.take_delayed(),
+                                       flush=bool(getattr(so, "preempted_req_ids", None)))
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        if self._planner is not None:
-            self._planner.finished(request.request_id)
-        return False, None
+        """``True`` (keep the blocks until ``get_finished``) when stores were planned for it."""
+        if self._planner is None:
+            return False, None
+        return self._planner.finished(request.request_id), None
 
     # --- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -230,9 +268,18 @@ class KVTierConnector(KVConnectorBase_V1):
         register = self._opts.mode == "register" or (
             self._opts.mode == "auto" and tensors[0].is_cuda)
         world = self._rank.world
+        layers, first = {}, 0
+        for name, t in kv_caches.items():
+            n = len(block_segments(t, num_blocks))
+            layers[name], first = range(first, first + n), first + n
+        o = self._opts
         self._steps = WorkerSteps(self._link, rows, log, rank=self._rank, register=register,
-                                  staging_slots=self._opts.staging_slots,
-                                  exchange=_exchange if world > 1 else None)
+                                  staging_slots=o.staging_slots,
+                                  exchange=_exchange if world > 1 else None, layers=layers,
+                                  async_stores=o.stores == "async",
+                                  layer_loads=o.loads == "layer",
+                                  store_timeout_s=o.store_timeout_s,
+                                  on_stored=self._write_stats if o.stats_file else None)
         self._steps.mover()  # attach now if the daemon is up; else on a later step
         log.info("kvtier: %d layers, %d blocks of %d bytes (tenant %s, rank %d of %d)",
                  len(tensors), num_blocks, rows.page_bytes, self._opts.tenant,
@@ -244,30 +291,46 @@ class KVTierConnector(KVConnectorBase_V1):
             return int(cfg.num_blocks)
         return int(tensors[0].shape[0])
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before vLLM reuses a preempted request's blocks: no store may still read them."""
+        if self._steps is not None and getattr(kv_connector_metadata, "flush", False):
+            self._steps.flush_stores()
+            self._flushes += 1
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KVTierConnectorMetadata) or self._steps is None:
             return
-        self._invalid |= self._steps.begin(meta.loads)
-        if meta.loads:
-            self._write_stats()
+        self._delayed.update(meta.delayed)
+        self._steps.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self._steps is not None:
+            self._steps.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # whole pages (all layers) are stored after the forward, in wait_for_save
+        return  # whole pages (all layers) are stored after the forward, from wait_for_save
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KVTierConnectorMetadata) or self._steps is None:
             return
         self._steps.end(meta.stores)
-        if meta.stores:
+        if meta.loads or meta.stores:
             self._write_stats()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Delayed requests whose stores have all ended (each reported once)."""
+        if self._steps is None:
+            return None, None
+        delayed, self._delayed = self._delayed, set()
+        return self._steps.finished(delayed) or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._steps is not None:
+            self._steps.join_loads()
+            self._invalid |= self._steps.take_invalid()
         out, self._invalid = self._invalid, set()
         return out
 
@@ -275,12 +338,13 @@ class KVTierConnector(KVConnectorBase_V1):
         if not self._opts.stats_file or self._steps is None:
             return
         data = dict(self._steps.counters.as_dict(), block_size=self._block_size,
-                    outages=self._link.outages)
+                    outages=self._link.outages, preemption_flushes=self._flushes)
         path = self._opts.stats_file
         r = self._rank
         if r.world > 1 and (r.tp_rank or r.pp_rank):
             path = f"{path}.rank{r.tp_rank + r.tp_size * r.pp_rank}"
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
+        with self._stats_lock:  # the store thread writes too
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(data, fh)
+            os.replace(tmp, path)

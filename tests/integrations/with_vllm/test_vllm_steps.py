@@ -15,11 +15,12 @@ import pytest
 import torch
 from conftest import start_daemon, stop_daemon
 from kvtier.client import connect
-from kvtier.client._vllm_identity import Rank, rank_keys
-from kvtier.client._vllm_link import DaemonLink
-from kvtier.client._vllm_pages import BlockRows, block_segments
-from kvtier.client._vllm_sched import BlockTransfer
-from kvtier.client._vllm_steps import WorkerSteps
+from kvtier.client.block_mover import BlockTransfer
+from kvtier.client.block_rows import BlockRows, block_segments
+
+from kvtier.integrations.vllm.identity import Rank, rank_keys
+from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.steps import WorkerSteps
 
 BS = 4
 log = logging.getLogger("test.vllm.steps")
@@ -48,6 +49,12 @@ def steps(address: str, tensors: list[torch.Tensor], clock: Clock, rank: Rank = 
     return WorkerSteps(link, rows, log, rank=rank, register=False, staging_slots=4)
 
 
+def stored(w: WorkerSteps, stores: list[BlockTransfer]) -> None:
+    """One step's stores, then wait for them (they end off the step, on the store thread)."""
+    w.end(stores)
+    w.flush_stores()
+
+
 def held(address: str, keys: list[bytes], rank: Rank = ONE) -> int:
     with connect(address, tenant="t") as c:
         return len(c.lookup(rank_keys(keys, rank)))
@@ -63,14 +70,14 @@ def test_store_stops_where_the_chain_met_a_failed_load(tmp_path: Path) -> None:
         addr, clock = f"unix://{sock}", Clock()
         src, dst = kv(8, 0), kv(8, 1)
         a = steps(addr, src, clock)
-        a.end([BlockTransfer("a", KEYS[:1], [0]), BlockTransfer("a2", KEYS[2:3], [2])])
+        stored(a, [BlockTransfer("a", KEYS[:1], [0]), BlockTransfer("a2", KEYS[2:3], [2])])
         b = steps(addr, dst, clock)
         # Block 0 loads, block 1 is not stored: blocks 1 and 2 of the load are garbage.
         invalid = b.begin([BlockTransfer("b", KEYS[:3], [4, 5, 6])])
         assert invalid == {5, 6}
         assert torch.equal(dst[0][4], src[0][0])
         other = [bytes([8, i]) * 8 for i in range(3)]
-        b.end([BlockTransfer("b", KEYS[3:4], [7], [4, 5, 6]),  # computed from garbage
+        stored(b, [BlockTransfer("b", KEYS[3:4], [7], [4, 5, 6]),  # computed from garbage
                BlockTransfer("c", other[:2], [1, 5], [0]),  # its chain meets 5 at its 2nd block
                BlockTransfer("d", other[2:], [2], [])])
         assert held(addr, KEYS[3:4]) == 0 and held(addr, other[:2]) == 1
@@ -78,7 +85,7 @@ def test_store_stops_where_the_chain_met_a_failed_load(tmp_path: Path) -> None:
         assert b.counters.unsafe_store_blocks == 2 and b.counters.stored_blocks == 2
         # The next step is clean again: the recomputed blocks are stored.
         b.begin([])
-        b.end([BlockTransfer("b", KEYS[1:4], [5, 6, 7], [4])])
+        stored(b, [BlockTransfer("b", KEYS[1:4], [5, 6, 7], [4])])
         assert held(addr, KEYS) == 4
     finally:
         stop_daemon(proc)
@@ -92,24 +99,24 @@ def test_daemon_away_then_restarted(tmp_path: Path, sig: int) -> None:
     w = steps(addr, src, clock)
     assert w.mover() is None  # no daemon yet: the engine starts anyway
     assert w.begin([BlockTransfer("r", KEYS[:2], [0, 1])]) == {0, 1}
-    w.end([BlockTransfer("r", KEYS[:2], [0, 1])])
+    stored(w, [BlockTransfer("r", KEYS[:2], [0, 1])])
     assert w.counters.stored_blocks == 0 and w.link.outages == 1
     assert w.counters.load_failed_blocks == 2
     proc = start_daemon(sock, cpu_gb=0.05)
     try:
-        w.end([BlockTransfer("r", KEYS[:1], [0])])
+        stored(w, [BlockTransfer("r", KEYS[:1], [0])])
         assert w.counters.attaches == 0  # still backing off
         clock.now += 1.0
-        w.end([BlockTransfer("r", KEYS[:1], [0])])
+        stored(w, [BlockTransfer("r", KEYS[:1], [0])])
         assert w.counters.attaches == 1 and held(addr, KEYS[:1]) == 1
         proc.send_signal(sig)
         proc.wait(timeout=20)
         sock.unlink(missing_ok=True)
         proc = start_daemon(sock, cpu_gb=0.05)
-        w.end([BlockTransfer("r", KEYS[1:2], [1], [0])])  # the old pool is gone: dropped
+        stored(w, [BlockTransfer("r", KEYS[1:2], [1], [0])])  # the old pool is gone: dropped
         assert held(addr, KEYS[:2]) == 0 and w.link.outages == 2
         clock.now += 1.0
-        w.end([BlockTransfer("r", KEYS[:2], [0, 1])])
+        stored(w, [BlockTransfer("r", KEYS[:2], [0, 1])])
         assert held(addr, KEYS[:2]) == 2 and w.counters.attaches == 2
         dst = kv(8, 1)
         r = steps(addr, dst, clock)
@@ -126,7 +133,7 @@ def test_ranks_store_under_their_own_keys(tmp_path: Path) -> None:
         addr, clock = f"unix://{sock}", Clock()
         r0, r1 = Rank(0, 2), Rank(1, 2)
         s0 = kv(4, 0)
-        steps(addr, s0, clock, r0).end([BlockTransfer("r", KEYS[:2], [0, 1])])
+        stored(steps(addr, s0, clock, r0), [BlockTransfer("r", KEYS[:2], [0, 1])])
         assert held(addr, KEYS[:2], r0) == 2 and held(addr, KEYS[:2], r1) == 0
         d1 = kv(4, 2)
         assert steps(addr, d1, clock, r1).begin([BlockTransfer("r", KEYS[:2], [0, 1])]) == {0, 1}

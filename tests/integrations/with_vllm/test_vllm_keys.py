@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvtier.client._blocks import chain_keys
-from kvtier.client._vllm_identity import (
+
+from kvtier.integrations.vllm.identity import (
     Rank,
     all_rank_keys,
     files_fingerprint,
@@ -17,8 +18,8 @@ from kvtier.client._vllm_identity import (
     rank_keys,
     request_salt,
 )
-from kvtier.client._vllm_sched import BlockTransfer, LoadStorePlanner
-from kvtier.client._vllm_steps import safe_length
+from kvtier.integrations.vllm.plan import BlockTransfer, LoadStorePlanner
+from kvtier.integrations.vllm.steps import safe_length
 
 BS = 4
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from kvtier.client._backend import as_backend
 from kvtier.client._blocks import chain_keys
-from kvtier.client._vllm_pages import BlockRows, block_segments
-from kvtier.client._vllm_sched import BlockTransfer, LoadStorePlanner
-from kvtier.client._vllm_worker import BlockMover
+from kvtier.client.block_mover import BlockMover
+from kvtier.client.block_rows import BlockRows, block_segments
 
 from kvtier import OffloadConfig, TierEngine
+from kvtier.integrations.vllm.plan import BlockTransfer, LoadStorePlanner
 
 BS = 4
 
@@ -65,6 +65,64 @@ def test_plan_loads_then_stores_new_full_blocks() -> None:
     req.all_token_ids.append(99)  # one output token: 15 tokens, still 3 full blocks
     loads, stores = p.build([], cached(["r"], [None], [14]), {"r": 1}, {})
     assert loads == [] and stores == []
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_async_stores_delay_the_finish_and_lookups_wait_for_them() -> None:
+    stored: set[bytes] = set()
+    clock = Clock()
+
+    def lookup(keys: list[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in stored:
+            n += 1
+        return n
+
+    p = LoadStorePlanner(lookup, BS, b"ns", use_engine_hashes=False, async_stores=True,
+                         store_wait_s=1.0, clock=clock)
+    tokens = list(range(13))
+    keys = chain_keys(tokens, BS, ns=b"ns")
+    a = FakeRequest("a", tokens)
+    assert p.matched_tokens(a, 0) == 0
+    p.after_alloc(a, [1, 2, 3, 4], 0)
+    nr = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4],), num_computed_tokens=0)
+    _, stores = p.build([nr], cached(), {"a": 13}, {})
+    assert stores == [BlockTransfer("a", keys[:3], [1, 2, 3], [])]
+    # Another request with the same prefix while a's stores are in flight: ask again later.
+    b = FakeRequest("b", [*tokens[:12], 77])
+    assert p.matched_tokens(b, 0) is None
+    stored.update(keys[:2])  # two of the three have landed
+    assert p.matched_tokens(b, 0) is None
+    stored.add(keys[2])
+    assert p.matched_tokens(b, 0) == 12
+    # Past the wait (a store that failed or was refused): a miss, not an endless wait.
+    c = FakeRequest("c", [5] * 13)
+    p.after_alloc(c, [6, 7, 8, 9], 0)
+    p.build([SimpleNamespace(req_id="c", block_ids=([6, 7, 8, 9],), num_computed_tokens=0)],
+            cached(), {"c": 13}, {})
+    assert p.matched_tokens(FakeRequest("d", [5] * 13), 0) is None
+    clock.now += 1.5
+    assert p.matched_tokens(FakeRequest("d", [5] * 13), 0) == 0
+    # Requests with stores planned are finished later, through the workers.
+    assert p.finished("a") is True and p.finished("b") is False and p.finished("c") is True
+    assert p.take_delayed() == ["a", "c"] and p.take_delayed() == []
+
+
+def test_sync_stores_free_at_once_and_an_absent_daemon_is_not_waited_for() -> None:
+    p = LoadStorePlanner(lambda k: None, BS, b"ns", use_engine_hashes=False)
+    req = FakeRequest("r", list(range(9)))
+    assert p.matched_tokens(req, 0) == 0  # daemon away: a miss
+    p.after_alloc(req, [1, 2, 3], 0)
+    _, stores = p.build([SimpleNamespace(req_id="r", block_ids=([1, 2, 3],),
+                                         num_computed_tokens=0)], cached(), {"r": 9}, {})
+    assert len(stores) == 1 and p.finished("r") is False and p.take_delayed() == []
 
 
 def test_local_hit_loads_only_the_rest() -> None:

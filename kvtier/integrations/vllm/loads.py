@@ -1,0 +1,141 @@
+"""One step's loads, overlapped with the forward: each layer is waited for on its own.
+
+``LoadJob(mover, transfers, layers)``; ``run()`` on a thread of its own, then from the engine's
+thread ``wait_layer(i)`` and ``result()``:
+
+- ``layers[i]``: the ``BlockRows`` segments of layer ``i`` (forward order).
+- Staging mode: the daemon fills staging slots with whole pages (as many blocks of the step's
+  transfers as the staging pool holds: a round), then the job copies them into vLLM's tensors
+  layer by layer, in forward order. ``wait_layer(i)`` returns once layer ``i``'s copies of the
+  last round are done (on CUDA: issued on the job's stream; the caller's stream then waits for
+  their event, not the host) — never waiting for a later layer's copy.
+- Registered mode: the daemon writes all layers of a transfer straight into vLLM's memory (one
+  call per transfer); every layer is ready when the last call returns.
+- ``result() -> list[int]``: per transfer, its leading blocks that now hold exactly the stored
+  bytes (the rest must be recomputed); waits for the job. A daemon error ends the job: blocks
+  not yet loaded count as failed and the error is in ``error`` (the caller re-attaches).
+- A transfer stops at its first block that did not load; its later blocks are never written.
+
+``before_layer(i)`` (tests) is called on the job's thread before layer ``i``'s copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.client.block_mover import BlockMover, BlockTransfer, Staged
+
+_Piece = tuple[int, int, int]  # (transfer index, first block, end block)
+
+
+def rounds(transfers: Sequence[BlockTransfer], cap: int) -> list[list[_Piece]]:
+    """Pieces of at most ``cap`` blocks, packed in order into rounds of at most ``cap``."""
+    out: list[list[_Piece]] = [[]]
+    room = cap
+    for ti, t in enumerate(transfers):
+        start = 0
+        while start < len(t.keys):
+            if room == 0:
+                out.append([])
+                room = cap
+            end = min(len(t.keys), start + room)
+            out[-1].append((ti, start, end))
+            room -= end - start
+            start = end
+    return [r for r in out if r]
+
+
+class LoadJob:
+    def __init__(self, mover: BlockMover, transfers: Sequence[BlockTransfer],
+                 layers: Sequence[range], *,
+                 before_layer: Callable[[int], None] | None = None) -> None:
+        self.mover, self.transfers, self.layers = mover, list(transfers), list(layers)
+        self.got = [0] * len(self.transfers)
+        self.error: BaseException | None = None
+        self._before = before_layer
+        self._ready = [threading.Event() for _ in self.layers]
+        self._events: list[Any] = [None] * len(self.layers)
+        self._finished = threading.Event()
+        dev = mover.rows.segments[0].device
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    def run(self) -> None:
+        try:
+            # vLLM's KV tensors are inference tensors: written in place only in inference mode,
+            # which is per thread (the engine's thread has it, this one must enter it)
+            with torch.inference_mode():
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._run()
+                else:
+                    self._run()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            for ev in self._ready:
+                ev.set()
+            self._finished.set()
+
+    def _run(self) -> None:
+        if self.mover.registered:
+            for ti, t in enumerate(self.transfers):
+                self.got[ti] = self.mover.load(t)
+            return
+        c = self.mover.counters
+        try:
+            stopped: set[int] = set()
+            plan = rounds(self.transfers, self.mover.staging_slots)
+            for r, pieces in enumerate(plan):
+                self._round(pieces, stopped, last=r == len(plan) - 1)
+        finally:
+            c.load_calls += len(self.transfers)
+            c.loaded_blocks += sum(self.got)
+            c.load_failed_blocks += sum(len(t.keys) for t in self.transfers) - sum(self.got)
+
+    def _round(self, pieces: list[_Piece], stopped: set[int], *, last: bool) -> None:
+        staged: list[tuple[_Piece, Staged]] = []
+        try:
+            for piece in pieces:
+                ti, start, end = piece
+                if ti in stopped:
+                    continue
+                s = self.mover.stage(self.transfers[ti].keys[start:end])
+                staged.append((piece, s))
+                self.got[ti] += s.got
+                if s.got < end - start:
+                    stopped.add(ti)
+            for li, segs in enumerate(self.layers):
+                if self._before is not None and last:
+                    self._before(li)
+                for (ti, start, _), s in staged:
+                    if s.rows is not None:
+                        blocks = self.transfers[ti].block_ids[start : start + s.got]
+                        self.mover.rows.scatter(blocks, s.rows, segs)
+                if last:
+                    self._mark(li)
+            if self._stream is not None:
+                self._stream.synchronize()  # the staging slots are reused after this
+        finally:
+            for _, s in staged:
+                self.mover.unstage(s)
+
+    def _mark(self, li: int) -> None:
+        if self._stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            self._events[li] = ev
+        self._ready[li].set()
+
+    def wait_layer(self, li: int) -> None:
+        self._ready[li].wait()
+        ev = self._events[li]
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)  # the device waits, not the host
+
+    def result(self) -> list[int]:
+        self._finished.wait()
+        return list(self.got)
