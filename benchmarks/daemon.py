@@ -65,9 +65,10 @@ def start_daemon(tmp: Path, device: str, gpu_gb: float, cpu_gb: float) -> tuple[
 
 
 def wait_idle(client: KVTierClient) -> None:
+    """Until no move is queued or in flight (the daemon-wide view: a tenant's has no queues)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        s = client.stats()
+        s = client.stats(whole=True)
         if s.queued_offloads == 0 and s.queued_restores == 0 and s.inflight_bytes == 0:
             return
         time.sleep(0.0005)

@@ -9,7 +9,9 @@ sealed memfd instead (``kvtier.tiers.memfd``); its descriptor travels over the s
       never pickled, so neither side ever unpickles bytes from the other. The bytes are a
       capability: never log them.
     * ``decode_cuda(blob) -> storage``: opens it (same user, same GPU; torch keeps one mapping
-      per handle per process). Any malformed blob raises ``InvalidArgument`` naming ``field``.
+      per handle per process), initialising CUDA in this process first if nothing has yet (an
+      engine may attach before it touches the GPU). Any malformed blob, or a process without
+      CUDA, raises ``InvalidArgument`` naming ``field``.
     * ``rows(flat, num_slots, slot_bytes, stride, offset)``: the ``[num_slots, slot_bytes]`` view
       of a flat ``uint8`` tensor with row ``i`` at ``offset + i * stride``; ``extent`` is the
       bytes such a view spans; ``open_rows`` decodes a blob and checks the storage holds them.
@@ -56,12 +58,19 @@ def decode_cuda(blob: bytes, field: str = "ipc") -> torch.UntypedStorage:
         ints = {k: doc[k] for k in _INT_FIELDS}
         if not all(type(v) is int and v >= 0 for v in ints.values()):
             raise ValueError("negative or non-integer field")
+        sync = bool(doc["event_sync_required"])
+    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
+        raise InvalidArgument(field, f"cannot open handle ({type(exc).__name__})") from None
+    if not torch.cuda.is_available():
+        raise InvalidArgument(field, "a CUDA IPC handle, and this process has no CUDA device")
+    torch.cuda.init()  # opening a handle needs CUDA's state (a process may not have used it)
+    try:
         return torch.UntypedStorage._new_shared_cuda(
             ints["device"], raw["handle"], ints["size"], ints["offset"],
-            raw["ref_counter_handle"], ints["ref_counter_offset"],
-            raw["event_handle"] or None, bool(doc["event_sync_required"]),
+            raw["ref_counter_handle"], ints["ref_counter_offset"], raw["event_handle"] or None,
+            sync,
         )
-    except (ValueError, KeyError, TypeError, RuntimeError, binascii.Error) as exc:
+    except (ValueError, RuntimeError) as exc:
         raise InvalidArgument(field, f"cannot open handle ({type(exc).__name__})") from None
 
 

@@ -203,3 +203,13 @@ def test_malformed_cuda_handles_are_refused_naming_the_field(blob: bytes) -> Non
     with pytest.raises(InvalidArgument) as err:
         open_handle(PoolHandle("cuda_ipc", 1, PAGE, "cuda:0", ipc=blob))
     assert err.value.field == "handle.ipc"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check of a process without CUDA")
+def test_a_well_formed_cuda_handle_in_a_process_without_cuda_is_refused() -> None:
+    blob = (b'KVIPC1{"device": 0, "size": 4096, "offset": 0, "ref_counter_offset": 0, '
+            b'"event_sync_required": false, "handle": "AAAA", "ref_counter_handle": "AAAA", '
+            b'"event_handle": ""}')
+    with pytest.raises(InvalidArgument, match="no CUDA device") as err:
+        open_handle(PoolHandle("cuda_ipc", 1, PAGE, "cuda:0", ipc=blob))
+    assert err.value.field == "handle.ipc"
