@@ -264,12 +264,14 @@ class PrefixStore:
         held: list[np.ndarray] = []
         batches: list[Moves] = []
         at = 0
-        self._read_ahead(pool, keys)
+        salted = _Salted(pool.tenant, keys)
         try:
             for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                rows = self._resident_prefix(pool, keys[at : at + size])
+                rows = self._resident_prefix(pool, salted.span(at, at + size))
                 held.append(rows)
                 batches += self._copy_in(pool, rows, slots[at : at + len(rows)])
+                if not at and len(rows) == size:  # the first copy is under way: queue the
+                    self._read_ahead(pool, salted.span(size, len(keys)))  # rest's disk reads
                 at += len(rows)
                 if len(rows) < size:
                     break
@@ -298,7 +300,7 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            start = len(self._prefix(pool, keys))
+            start = len(self._prefix(pool, [salt_key(pool.tenant, k) for k in keys]))
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
             salted = [salt_key(pool.tenant, k) for k in keys[start : start + window]]
         got = core.remote.fetch(salted, pool.page_size) if salted else []
@@ -312,8 +314,9 @@ class PrefixStore:
         copies.add(rows, self._core.table.slot[rows], np.array(slots, dtype=np.int64))
         return copies.submit(self._core, urgent=True)
 
-    def _resident_prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
-        """Rows of the longest stored prefix, brought to the CPU tier and returned protected.
+    def _resident_prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
+        """Rows of the longest stored prefix of ``salted`` (keys salted for ``pool``'s tenant),
+        brought to the CPU tier and returned protected.
 
         Pages already in CPU are protected as soon as they are seen, so bringing the rest up
         from disk can't push them back down.
@@ -321,13 +324,13 @@ class PrefixStore:
         core, t = self._core, self._core.table
         deadline = time.monotonic() + core.config.restore_timeout_s
         held: set[int] = set()
-        rows = self._prefix(pool, keys)
+        rows = self._prefix(pool, salted)
         if t.at(rows, Tier.CPU).all():  # the common case: the whole prefix in the CPU tier
             core.protect(rows)
             return rows
         try:
             while True:
-                rows = self._prefix(pool, keys)
+                rows = self._prefix(pool, salted)
                 on_cpu = t.at(rows, Tier.CPU)
                 fresh = [r for r in rows[on_cpu].tolist() if r not in held]
                 if fresh:
@@ -348,19 +351,20 @@ class PrefixStore:
             core.unprotect(np.array(sorted(held), dtype=np.int64))
             raise
 
-    def _read_ahead(self, pool: Pool, keys: list[bytes]) -> None:
-        """Queue the disk reads of every stored block of ``keys`` at once, so the disk lane reads
-        the next chunk while the previous one is copied on (the chunks then only wait)."""
-        rows = self._prefix(pool, keys)
+    def _read_ahead(self, pool: Pool, salted: list[bytes]) -> None:
+        """Queue the disk reads of every stored block of ``salted`` at once, so the disk lane
+        reads the next chunk while the previous one is copied on (the chunks then only wait)."""
+        rows = self._prefix(pool, salted)
         on_disk = rows[self._core.table.at(rows, Tier.DISK)]
         if len(on_disk):
             self._core.starts.restore_disk(on_disk)
 
-    def _prefix(self, pool: Pool, keys: list[bytes]) -> np.ndarray:
+    def _prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
+        """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size."""
         t = self._core.table
         found: list[int] = []
-        for key in keys:
-            row = t.keyed(salt_key(pool.tenant, key))
+        for key in salted:
+            row = t.keyed(key)
             if row is None:
                 break
             found.append(row)
@@ -413,3 +417,17 @@ class _Copies:
         # bookkeeping, and the launch should not wait a whole switch interval for it.
         time.sleep(0)
         return [batch]
+
+
+class _Salted:
+    """A load window's keys, each salted once (when first needed) for the tenant's table."""
+
+    def __init__(self, tenant: str, keys: Sequence[bytes]) -> None:
+        self._tenant, self._keys = tenant, keys
+        self._salted: list[bytes] = []
+
+    def span(self, lo: int, hi: int) -> list[bytes]:
+        hi = min(hi, len(self._keys))
+        while len(self._salted) < hi:
+            self._salted.append(salt_key(self._tenant, self._keys[len(self._salted)]))
+        return self._salted[lo:hi]
