@@ -62,7 +62,6 @@ class StateStore:
         self._bufs = [get_buffer(arena, slot_bytes), get_buffer(arena, slot_bytes)]
         self._reads: dict[int, Future[list[bool]]] = {}
         self._writes: list[Future[list[bool]] | None] = [None, None]
-        self._reading: list[int | None] = [None, None]  # slot -> bucket whose read is pending
 
     @property
     def on_disk(self) -> bool:
@@ -86,7 +85,6 @@ class StateStore:
         if not self.written[i]:
             return  # nothing written yet: the caller initializes the blob
         self._reads[i] = self.disk.read(self.page, self._slots[i], self._pages(i))
-        self._reading[i % 2] = i
 
     def prefetch_next(self, i: int) -> None:
         """Read ahead the bucket expected after bucket ``i`` (see the module docstring)."""
@@ -104,7 +102,6 @@ class StateStore:
         self.prefetch(i)
         fut = self._reads.pop(i, None)
         if fut is not None:
-            self._reading[i % 2] = None
             ok = self._wait(fut, "read")
             if not all(ok):
                 raise PageLost(f"optimizer state bucket {i} failed its checksum on disk")
@@ -121,7 +118,7 @@ class StateStore:
 
     def _drain_slot(self, k: int) -> None:
         """Slot ``k``'s buffer free to refill: its write done, any read ahead into it dropped."""
-        ahead, self._reading[k] = self._reading[k], None
+        ahead = next((j for j in self._reads if j % 2 == k), None)  # at most one per slot
         if ahead is not None:  # a read ahead of a bucket that was not used next: wait it out
             self._wait(self._reads.pop(ahead), "read")
         fut, self._writes[k] = self._writes[k], None
