@@ -218,6 +218,17 @@ class PrefixStore:
             self._core.ledger.misses[owner] += 1
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        loaded = self._load_once(pool_id, keys, slots)
+        # A remote fetch brings a bounded window past the local prefix: while a pass loads
+        # something, the next one fetches on from where it stopped (a miss ends it).
+        while self._core.remote is not None and 0 < loaded < len(keys):
+            more = self._load_once(pool_id, keys[loaded:], slots[loaded:])
+            if not more:
+                break
+            loaded += more
+        return loaded
+
+    def _load_once(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
         staged = self._fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
         reused: Held = []  # blocks reused for the first time: offered once the lock is released

@@ -162,6 +162,24 @@ def test_admission_reused_writes_on_first_reuse_never_writes_nothing(tmp_path, a
         assert not e.prefix._core.table.protect.any()  # every page held for a copy let go
 
 
+def test_a_load_longer_than_one_fetch_goes_on_fetching(pair, monkeypatch):
+    """One fetch brings a bounded window; a Load of more blocks than that fetches on from
+    where it stopped, and a miss past the stored ones still ends it."""
+    import kvtier.prefix.remote as remote_mod
+
+    monkeypatch.setattr(remote_mod, "MAX_FETCH_BYTES", 3 * PAGE)  # 3 blocks a fetch
+    medium, (a, b) = pair
+    (pool_a, slots_a), data = stored_blocks(a, "t", 8)
+    keys = [b"w%d" % i for i in range(8)]
+    assert a.store(pool_a.pool_id, keys, slots_a) == 8
+    assert a.prefix._core.remote.flush(5)
+    pool_b = b.attach("t", 8)
+    slots_b = [s for _, s in b.allocate(pool_b.pool_id, 8)]
+    assert b.load(pool_b.pool_id, [*keys, b"nope", b"w0"], [*slots_b, 0, 1]) == 8
+    for s, want in zip(slots_b, data, strict=True):
+        assert torch.equal(pool_b.segments[0][s], want)
+    assert b.stats().remote.read_pages == 8
+
 def test_secret_file_must_be_private_and_present(tmp_path):
     medium = DictMedium()
     loose = secret_file(tmp_path, name="loose")
