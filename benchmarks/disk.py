@@ -171,15 +171,18 @@ def engine_config(args: argparse.Namespace, d: str, page: int) -> OffloadConfig:
     kw: dict[str, Any] = {}
     if args.io_threads:
         kw["disk_io_threads"] = args.io_threads
+    chunk_mb = max(1, min(256, page * n // MIB))
+    # whole pinned chunks (CUDA hosts pin the CPU tier a chunk at a time) holding every page read
+    cpu_bytes = -(-page * (n + 8) // (chunk_mb * MIB)) * chunk_mb * MIB
     return OffloadConfig(
         device=args.device,
         page_size=page,
         gpu_memory_gb=page * (n + 2) / GIB,
-        cpu_memory_gb=page * (n + 8) / GIB,
+        cpu_memory_gb=cpu_bytes / GIB,
         disk_path=d,
         disk_gb=2 * page * n / GIB,
         disk_admission="always",
-        pinned_chunk_mb=max(1, min(256, page * n // MIB)),
+        pinned_chunk_mb=chunk_mb,
         **kw,
     )
 

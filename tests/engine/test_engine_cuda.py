@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 PAGE = 64 << 10
 
 
-def cuda_engine(tmp_path, **kw) -> TierEngine:
+def cuda_config(tmp_path, **kw) -> OffloadConfig:
     base = dict(
         device="cuda:0",
         page_size=PAGE,
@@ -26,7 +26,11 @@ def cuda_engine(tmp_path, **kw) -> TierEngine:
         disk_admission="always",
     )
     base.update(kw)
-    return TierEngine(OffloadConfig(**base))
+    return OffloadConfig(**base)
+
+
+def cuda_engine(tmp_path, **kw) -> TierEngine:
+    return TierEngine(cuda_config(tmp_path, **kw))
 
 
 def test_pressure_cycle_keeps_exact_bytes_on_cuda(tmp_path):
@@ -146,3 +150,58 @@ def test_store_and_load_on_cuda(tmp_path):
             assert torch.equal(pool.segments[0][s].cpu(), w)
     finally:
         engine.close()
+
+
+def _filled(engine: TierEngine, pool, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    slots = [s for _, s in engine.allocate(pool.pool_id, n)]
+    want = []
+    for s in slots:
+        pool.segments[0][s].copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, device="cuda"))
+        want.append(pool.segments[0][s].cpu())
+    return slots, want
+
+
+def test_load_of_keys_pushed_to_disk_on_cuda(tmp_path):
+    """More keys than the CPU tier holds: the older ones are on disk when loaded back."""
+    engine = cuda_engine(tmp_path)
+    try:
+        pool = engine.attach("t", 64)
+        slots, want = _filled(engine, pool, 48)
+        keys = [b"k%d" % i for i in range(48)]
+        assert engine.store(pool.pool_id, keys, slots) == 48
+        assert engine.lookup("t", keys[:4]) == [Tier.DISK] * 4
+        pool.segments[0].zero_()
+        assert engine.load(pool.pool_id, keys, slots) == 48
+        for s, w in zip(slots, want, strict=True):
+            assert torch.equal(pool.segments[0][s].cpu(), w)
+    finally:
+        engine.close()
+
+
+def test_load_of_keys_from_the_remote_medium_on_cuda(tmp_path):
+    """Keys another engine wrote to the shared store: fetched, staged in the CPU tier, copied up."""
+    import os
+
+    from kvtier.tiers.keyed import DictMedium
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef-cluster-secret")
+    os.chmod(secret, 0o600)
+    medium = DictMedium()
+    kw = dict(disk_path="", disk_gb=0.0, remote_secret_file=str(secret))
+    a = TierEngine(cuda_config(tmp_path, **kw), remote_medium=medium)
+    b = TierEngine(cuda_config(tmp_path, **kw), remote_medium=medium)
+    try:
+        pa, pb = a.attach("t", 16), b.attach("t", 16)
+        slots_a, want = _filled(a, pa, 8)
+        slots_b = [s for _, s in b.allocate(pb.pool_id, 8)]
+        keys = [b"r%d" % i for i in range(8)]
+        assert a.store(pa.pool_id, keys, slots_a) == 8
+        assert a.prefix._core.remote.flush(10)
+        assert b.lookup("t", keys) == [Tier.REMOTE] * 8
+        assert b.load(pb.pool_id, keys, slots_b) == 8
+        for s, w in zip(slots_b, want, strict=True):
+            assert torch.equal(pb.segments[0][s].cpu(), w)
+    finally:
+        a.close()
+        b.close()
