@@ -168,7 +168,7 @@ def test_a_load_longer_than_one_fetch_goes_on_fetching(pair, monkeypatch):
     import kvtier.prefix.remote as remote_mod
 
     monkeypatch.setattr(remote_mod, "MAX_FETCH_BYTES", 3 * PAGE)  # 3 blocks a fetch
-    medium, (a, b) = pair
+    _medium, (a, b) = pair
     (pool_a, slots_a), data = stored_blocks(a, "t", 8)
     keys = [b"w%d" % i for i in range(8)]
     assert a.store(pool_a.pool_id, keys, slots_a) == 8
