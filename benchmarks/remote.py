@@ -166,9 +166,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cpu", help="the engines' GPU tier: cpu or cuda")
+    ap.add_argument("--write-threads", type=int, default=0,
+                    help="write-behind threads of the engines (default: the tier's own)")
     ap.add_argument("--tune", nargs="*", default=[],
                     help="fetch settings to compare after the rounds: threads:batch_mib:mac_threads")
     args = ap.parse_args()
+    if args.write_threads:
+        remote_mod.WRITE_THREADS = args.write_threads
     page, n = args.page_kib * 1024, args.mib * MIB // (args.page_kib * 1024)
     batch = max(1, 16 * MIB // page)  # the remote tier's pipelined batch: 16 MiB
     tmp = tempfile.mkdtemp(prefix="kvtier-remote-bench-")
