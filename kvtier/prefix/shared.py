@@ -4,7 +4,8 @@ Contract (nothing here touches the network):
     * ``hold(core, rows) -> Held`` (engine lock held): the CPU-resident keyed pages among
       ``rows`` that the remote tier wants (not known to be in the store), protected so they
       stay where they are; ``offer(core, held)`` (engine lock NOT held) copies their bytes into
-      framed values, offers them to the write-behind queue, then unprotects them. The copy runs
+      framed values, offers them to the write-behind queue ``OFFER_BYTES`` at a time (its
+      threads send a batch while the next is copied), then unprotects them. The copy runs
       without the engine lock, so acquires and loads never wait for it.
     * ``stage`` reserves CPU slots for verified remote payloads and copies them in without the
       engine lock; ``land`` (lock held) makes them CPU keyed pages of the tenant (as a disk hit
@@ -43,19 +44,28 @@ def hold(core: EngineCore, rows: np.ndarray) -> Held:
     return held
 
 
+OFFER_BYTES = 8 << 20  # values handed to the write-behind at a time: it sends while we copy
+
+
 def offer(core: EngineCore, held: Held) -> int:
     remote = core.remote
     if remote is None or not held:
         return 0
+    offered = 0
     try:
         items: list[tuple[bytes, bytearray]] = []
-        if core.closed:  # the host tier is being released: nothing to copy from
-            return 0
+        pending = 0
         for _, salted, size, slot in held:
+            if core.closed:  # the host tier is being released: nothing to copy from
+                break
             buf, body = remote.frame_buffer(salted, size)
             np.frombuffer(body, dtype=np.uint8)[:] = core.host.rows(size, [slot])[0].numpy()
             items.append((salted, buf))
-        return remote.offer(items)
+            pending += size
+            if pending >= OFFER_BYTES:
+                offered += remote.offer(items)
+                items, pending = [], 0
+        return offered + (remote.offer(items) if items else 0)
     finally:
         with core.cond:
             core.unprotect(np.array([h[0] for h in held], dtype=np.int64))
