@@ -128,6 +128,7 @@ class Pair:
             remote._fetchers = ThreadPoolExecutor(fetch_threads, "kvtier-remote-fetch")
             remote.framer.mac_threads = mac_threads
         remote_mod.GET_BATCH_BYTES = int(batch_mib * MIB)
+        remote_mod.FETCH_THREADS = fetch_threads
 
     def round(self, tag: int) -> tuple[float, float, float, list[float]]:
         """(Store call, Store until written remotely, Load, 64-key Lookups) in seconds."""

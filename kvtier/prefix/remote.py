@@ -118,7 +118,8 @@ class RemoteTier:
         sent = 0
         try:
             while sent < len(parts) or ahead:
-                while sent < len(parts) and len(ahead) < FETCH_THREADS:
+                # one batch more than the threads: a thread never waits for the caller
+                while sent < len(parts) and len(ahead) <= FETCH_THREADS:
                     ahead.append(self._fetchers.submit(self._get_verified, parts[sent], length))
                     sent += 1
                 for got in ahead.popleft().result():
