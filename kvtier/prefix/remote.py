@@ -25,7 +25,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -107,6 +107,21 @@ class RemoteTier:
         return found.index(False) if False in found else len(found)
 
     def fetch(self, salted: Sequence[bytes], length: int) -> list[memoryview]:
+        """The verified values of the longest stored prefix of ``salted`` (a bounded window)."""
+        out: list[memoryview] = []
+
+        def keep(batch: list[memoryview]) -> int:
+            out.extend(batch)
+            return len(batch)
+
+        self.fetch_each(salted, length, keep)
+        return out
+
+    def fetch_each(self, salted: Sequence[bytes], length: int,
+                   take: Callable[[list[memoryview]], int]) -> int:
+        """Hand each batch of verified values of the longest stored prefix of ``salted`` to
+        ``take`` as it arrives, in order (the next batches are read meanwhile); ``take`` returns
+        how many it kept, fewer ending the fetch. Returns how many were kept in all."""
         # At most MAX_FETCH_BYTES a call, in batches of GET_BATCH_BYTES: FETCH_THREADS batches
         # are read and MAC-checked at once (on their own connections; hashing and socket reads
         # run without the GIL), results taken in order; the first miss or refusal ends it.
@@ -114,24 +129,24 @@ class RemoteTier:
         step = max(1, GET_BATCH_BYTES // max(1, length))
         parts = [salted[lo : lo + step] for lo in range(0, len(salted), step)]
         ahead: deque[Future[list[memoryview | str | None]]] = deque()
-        out: list[memoryview] = []
-        sent = 0
+        kept = sent = 0
         try:
             while sent < len(parts) or ahead:
                 # one batch more than the threads: a thread never waits for the caller
                 while sent < len(parts) and len(ahead) <= FETCH_THREADS:
                     ahead.append(self._fetchers.submit(self._get_verified, parts[sent], length))
                     sent += 1
-                for got in ahead.popleft().result():
-                    if not isinstance(got, memoryview):
-                        if isinstance(got, str):
-                            self._count_rejected(got)
-                        return self._fetched(salted, out)
-                    out.append(got)
-            return self._fetched(salted, out)
+                got = ahead.popleft().result()
+                good = self._prefix_of_values(got)
+                n = take(good) if good else 0
+                kept += n
+                if n < len(got):
+                    break
+            return kept
         finally:
             for fut in ahead:
                 fut.cancel()  # a batch already running ends within the store's timeout
+            self._fetched(salted, kept, length)
 
     def _get_verified(
         self, keys: Sequence[bytes], length: int
@@ -141,12 +156,22 @@ class RemoteTier:
         return [None if v is None else unframe(k, v, length)
                 for k, v in zip(keys, values, strict=True)]
 
-    def _fetched(self, salted: Sequence[bytes], got: list[memoryview]) -> list[memoryview]:
-        self._remember(list(salted[: len(got)]))
+    def _prefix_of_values(self, got: list[memoryview | str | None]) -> list[memoryview]:
+        """The values before the first miss (None) or refused value (its reason, counted)."""
+        good: list[memoryview] = []
+        for v in got:
+            if not isinstance(v, memoryview):
+                if isinstance(v, str):
+                    self._count_rejected(v)
+                break
+            good.append(v)
+        return good
+
+    def _fetched(self, salted: Sequence[bytes], n: int, length: int) -> None:
+        self._remember(list(salted[:n]))
         with self._lock:
-            self._read_pages += len(got)
-            self._read_bytes += sum(len(v) for v in got)
-        return got
+            self._read_pages += n
+            self._read_bytes += n * length
 
     def _count_rejected(self, reason: str) -> None:
         log.debug("remote value refused (%s)", reason)

@@ -7,8 +7,9 @@ Contract (nothing here touches the network):
       framed values, offers them to the write-behind queue ``OFFER_BYTES`` at a time (its
       threads send a batch while the next is copied), then unprotects them. The copy runs
       without the engine lock, so acquires and loads never wait for it.
-    * ``stage`` reserves CPU slots for verified remote payloads and copies them in without the
-      engine lock; ``land`` (lock held) makes them CPU keyed pages of the tenant (as a disk hit
+    * ``Stager.take`` reserves CPU slots for verified remote payloads a
+      batch at a time, as the fetch hands them over, and copies them in without the engine
+      lock; ``land`` (lock held) makes them CPU keyed pages of the tenant (as a disk hit
       is restored to CPU), freeing the slots of keys stored locally meanwhile; ``unstage``
       frees a staging that is not landed.
 """
@@ -81,22 +82,34 @@ class Staged:
     slots: np.ndarray
 
 
-def stage(
-    core: EngineCore, tenant: str, page_size: int, salted: Sequence[bytes],
-    payloads: Sequence[memoryview],
-) -> Staged | None:
-    """Reserve CPU slots (engine lock taken briefly) and copy the payloads into them without
-    the lock; None when the CPU tier had no room. The caller lands or frees the result."""
-    with core.cond:
-        if core.closed:
+class Stager:
+    """Verified remote payloads copied into CPU slots as they arrive (``take`` per batch):
+    slots are reserved a batch at a time (engine lock taken briefly), the copy runs without it.
+    ``staged(salted)`` is the result for the caller to land or free (None: nothing taken)."""
+
+    def __init__(self, core: EngineCore, tenant: str, page_size: int) -> None:
+        self.core, self.tenant, self.page_size = core, tenant, page_size
+        self.slots: list[np.ndarray] = []
+
+    def take(self, payloads: Sequence[memoryview]) -> int:
+        core = self.core
+        with core.cond:
+            if core.closed:
+                return 0
+            slots = core.cascade.cpu_slots(self.page_size, len(payloads))
+        if not len(slots):
+            return 0
+        for payload, view in zip(payloads, core.host.rows(self.page_size, slots.tolist()),
+                                 strict=False):
+            view.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        self.slots.append(slots)
+        return len(slots)
+
+    def staged(self, salted: Sequence[bytes]) -> Staged | None:
+        if not self.slots:
             return None
-        slots = core.cascade.cpu_slots(page_size, len(payloads))
-    if not len(slots):
-        return None
-    views = core.host.rows(page_size, slots.tolist())
-    for payload, view in zip(payloads, views, strict=False):
-        view.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-    return Staged(tenant, page_size, list(salted[: len(slots)]), slots)
+        slots = np.concatenate(self.slots)
+        return Staged(self.tenant, self.page_size, list(salted[: len(slots)]), slots)
 
 
 def land(core: EngineCore, staged: Staged) -> int:

@@ -34,7 +34,7 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
-from kvtier.prefix.shared import Held, Staged, hold, land, offer, stage, unstage
+from kvtier.prefix.shared import Held, Staged, Stager, hold, land, offer, unstage
 from kvtier.state.pool import Pool
 from kvtier.state.table import EMPTY
 from kvtier.transfer.base import Moves
@@ -314,8 +314,11 @@ class PrefixStore:
             start = len(self._prefix(pool, [salt_key(pool.tenant, k) for k in keys]))
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
             salted = [salt_key(pool.tenant, k) for k in keys[start : start + window]]
-        got = core.remote.fetch(salted, pool.page_size) if salted else []
-        return stage(core, pool.tenant, pool.page_size, salted[: len(got)], got) if got else None
+        if not salted:
+            return None
+        stager = Stager(core, pool.tenant, pool.page_size)  # copies each batch as it arrives
+        core.remote.fetch_each(salted, pool.page_size, stager.take)
+        return stager.staged(salted)
 
     def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> list[Moves]:
         """Start copying CPU-resident keyed pages into pool slots (urgent: a load waits)."""

@@ -207,7 +207,7 @@ def test_a_full_write_queue_drops_and_counts(tmp_path):
 
 def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pair):
     from kvtier.prefix import salt_key
-    from kvtier.prefix.shared import land, stage
+    from kvtier.prefix.shared import Stager, land
 
     _, (a, b) = pair
     (pool_a, slots_a), _ = stored_blocks(a, "t", 1)
@@ -215,7 +215,9 @@ def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pa
     assert a.prefix._core.remote.flush(5)
     core = b.prefix._core
     salted = [salt_key("t", b"m0")]
-    staged = stage(core, "t", PAGE, salted, core.remote.fetch(salted, PAGE))
+    stager = Stager(core, "t", PAGE)
+    assert core.remote.fetch_each(salted, PAGE, stager.take) == 1
+    staged = stager.staged(salted)
     assert staged is not None and b.stats().tiers[1].used_bytes == PAGE
     (pool_b, slots_b), mine = stored_blocks(b, "t", 1, seed=42)
     assert b.store(pool_b.pool_id, [b"m0"], slots_b) == 1  # stored locally meanwhile
