@@ -127,8 +127,7 @@ class RacedRestore:
         hidden = sp.head(x)
         done: list[Any] = []
         for g in range(sp.groups):
-            landed = self._landed(loader, g) if loader is not None else 0
-            if landed:
+            if loader is not None and (landed := self._landed(loader, g)):
                 return self._switch(g, hidden, pos, landed, loader)
             hidden = sp.run_layers(hidden, pos, len(ids), range(sp.bounds[g], sp.bounds[g + 1]))
             if self._stream is not None:
