@@ -117,6 +117,42 @@ def test_a_real_race_is_exact_either_way(model, engine) -> None:
         assert Tier.CPU in groups.stores[-1].counters.restored_from  # the load did run
 
 
+def push_to_disk(model, engine, groups: LayerGroupStore, ids: list[int]) -> None:
+    """Store unrelated blocks (pages of the same size: the CPU tier is one pinned chunk) until
+    every group's blocks of ``ids`` have left the CPU tier for disk."""
+    kv = torch.randn(SHAPE.layers, 2, SHAPE.kv_heads, BLOCK * 32, SHAPE.head_dim)
+    with LayerGroupStore(engine, bounds=groups.bounds, model_config=model.config,
+                         dtype=model.dtype, device="cpu", tenant="t", block_size=BLOCK,
+                         model_id="filler") as filler:
+        # Eight times the CPU tier's budget, without looking ``ids`` up in between (a lookup
+        # is a use and would keep them on the CPU tier).
+        for seed in range(8):
+            filler.save(kv, tokens(BLOCK * 32, 100 + seed), wait_s=2.0)
+    assert set(groups.tiers(ids)) == {Tier.DISK}
+
+
+@pytest.mark.parametrize("forced", [True, False], ids=["switch-before-2", "real-race"])
+def test_a_prefix_on_disk_raced_is_exact(model, tmp_path: Path, forced) -> None:
+    cfg = OffloadConfig(device="cpu", cpu_memory_gb=1 / 1024, gpu_memory_gb=0.25,
+                        pinned_chunk_mb=1, disk_path=str(tmp_path / "disk"), disk_gb=0.5,
+                        disk_admission="always")
+    with TierEngine(cfg) as eng:
+        groups, src, fresh = setup(model, eng)
+        with groups:
+            push_to_disk(model, eng, groups, tokens(100, 1))
+            race = SwitchBefore(groups, fresh) if forced else RacedRestore(groups, fresh)
+            race.at = 2
+            prompt = tokens(100, 1) + tokens(10, 2)
+            out = race.first_token(prompt, 96)
+            race.join()
+            assert out.token == next_token(model, prompt)
+            torch.testing.assert_close(fresh.kv[:, :, :, :100], src.kv[:, :, :, :100])
+            if forced:
+                assert out.switched_at == 2 and out.restored == 96
+                assert torch.equal(fresh.kv[2:, :, :, :96], src.kv[2:, :, :, :96])
+            assert Tier.DISK in groups.stores[-1].counters.restored_from
+
+
 def test_bad_race_arguments_are_refused(model, engine) -> None:
     groups, _, fresh = setup(model, engine)
     with groups:
