@@ -207,6 +207,10 @@ class ConversationStore:
         """How many leading tokens of ``token_ids`` :meth:`restore` would restore now."""
         return self._held(self._restorable_keys(token_ids)) * self.layout.block_size
 
+    def stored_tiers(self, token_ids: Sequence[int]) -> list[Tier]:
+        """The tier of each keyed block of the longest stored prefix (pool pages not counted)."""
+        return self._lookup(self._restorable_keys(token_ids))
+
     def _held(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` kvtier holds: pool pages first, then keyed pages."""
         n = 0 if self._pool is None else self._pool.known(keys)

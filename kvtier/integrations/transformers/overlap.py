@@ -89,7 +89,7 @@ class LayerGroupStore:
 
     def tiers(self, token_ids: Sequence[int]) -> list[Tier]:
         """Per block of the prefix every group holds, the slowest tier among the groups."""
-        per = [st._lookup(st._restorable_keys(token_ids)) for st in self.stores]
+        per = [st.stored_tiers(token_ids) for st in self.stores]
         n = min(len(t) for t in per)
         return [max(t[i] for t in per) for i in range(n)]
 

@@ -20,7 +20,8 @@ tokens (and the KV written) equal ``first_token``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,18 +108,16 @@ class StagedPrefill(StaticPrefill):
             return self.model.lm_head(self.model.model.norm(hidden))[0].argmax(-1)
 
     # --- stages ---------------------------------------------------------------------------------
-    def _attention_impl(self) -> Any:
+    @contextmanager
+    def _attention_impl(self) -> Iterator[None]:
+        """The model's attention is this module's static one while inside."""
         config = self.model.config
-
-        class _Swap:
-            def __enter__(self) -> None:
-                self.before = config._attn_implementation
-                config._attn_implementation = ATTENTION
-
-            def __exit__(self, *exc: object) -> None:
-                config._attn_implementation = self.before
-
-        return _Swap()
+        before = config._attn_implementation
+        config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
 
     def _mask(self, pos: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         if self.kv_step is None:  # the last query sits at the last key: causal, lower right
