@@ -5,8 +5,8 @@
   stage on CUDA): the copy of group g+1 overlaps the compute of group g.
 - ``kvtier-disk-race``: a CPU budget too small for the trace (prefixes come from disk). A prefix
   held on the CPU tier (or the GPU) is restored as above ("overlap"); one with any block on disk
-  is raced against recomputing the prompt (``RacedRestore``): "race won@g" when the load landed
-  before layer group g and the rest ran over the new tokens only, "race lost" when the recompute
+  is raced against recomputing the prompt (``RacedRestore``): "race won@i" when the load landed
+  before layer i and layers i.. ran over the new tokens only, "race lost" when the recompute
   finished first, "none" when nothing was stored.
 """
 

@@ -2,9 +2,9 @@
 
 A planner's costs come from past loads, so it can't see a slow disk read coming (a cold file, a
 busy device). :class:`RacedRestore` does not guess: it starts the load of the stored prefix on a
-thread and recomputes the whole prompt at once, layer group by layer group; before each group it
-checks (a flag, no wait) whether the prefix of that group and of every later group has landed.
-If so it switches: the landed KV is copied into ``kv`` for those layers (on the current stream,
+thread and recomputes the whole prompt at once, layer by layer; before each layer it checks (a
+flag, no wait) whether the prefix of that layer's group and of every later group has landed. If
+so it switches: the landed KV is copied into ``kv`` for the layers left (on the current stream,
 after the load thread's copy event) and only the prompt's positions past the prefix run through
 the remaining layers, starting from the recompute's own hidden states of those positions (the
 same values the restore path would compute, so the KV and the token are exact). Otherwise the
@@ -15,14 +15,14 @@ the same layers; the copy is a device copy far below a layer's compute), so it i
   :class:`~.staged.StagedPrefill` with the same layer groups.
 - ``first_token(token_ids, cut) -> Outcome``: race the load of the first ``cut`` tokens (whole
   stored blocks; 0: recompute without a race). ``Outcome``: restored tokens, the token, the
-  group the switch happened before (``None``: the recompute finished).
+  layer the switch happened before (``None``: the recompute finished).
 - ``join()``: wait for the load thread (its bytes land in a scratch buffer, never in ``kv``);
   call it before the store is used again (``first_token`` does so itself).
 
-The load thread loads the groups last first (a switch before group ``g`` needs groups
-``g..``). On CUDA, after launching group ``g`` the host waits for group ``g - 1`` to finish, so
-the check before group ``g + 1`` sees how far the GPU has got, with one group always queued (the
-GPU never waits for the host). Loads land in a scratch buffer of the prefix's size.
+The load thread loads the groups last first (a switch before a layer of group ``g`` needs groups
+``g..``). On CUDA, after launching layer ``i`` the host waits for layer ``i - 2`` to finish, so
+the check before layer ``i + 1`` sees how far the GPU has got, with two layers always queued
+(the GPU does not wait for the host). Loads land in a scratch buffer of the prefix's size.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Outcome:
 
     restored: int  # tokens of the prompt whose KV came from the load (0: all recomputed)
     token: int  # the greedy next token
-    switched_at: int | None  # the layer group the switch happened before; None: no switch
+    switched_at: int | None  # the layer the switch happened before; None: no switch
 
     @property
     def won(self) -> bool:
@@ -125,32 +125,37 @@ class RacedRestore:
         x = torch.tensor([ids], device=sp.device)
         pos = torch.arange(len(ids), device=sp.device)
         hidden = sp.head(x)
+        emb = sp.rotary(hidden, pos)
         done: list[Any] = []
-        for g in range(sp.groups):
-            if loader is not None and (landed := self._landed(loader, g)):
-                return self._switch(g, hidden, pos, landed, loader)
-            hidden = sp.run_layers(hidden, pos, len(ids), range(sp.bounds[g], sp.bounds[g + 1]))
+        for i in range(sp.kv.shape[0]):
+            if loader is not None and (landed := self._landed(loader, i)):
+                return self._switch(i, hidden, pos, landed, loader)
+            hidden = sp.run_layers(hidden, pos, len(ids), range(i, i + 1), emb)
             if self._stream is not None:
                 done.append(torch.cuda.Event())
                 done[-1].record()
-                if g:
-                    done[g - 1].synchronize()  # the host keeps one group ahead of the GPU
+                if i >= 2:
+                    done[i - 2].synchronize()  # the host keeps two layers ahead of the GPU
         return Outcome(0, int(sp.tail(hidden)[-1].item()), None)
 
-    def _landed(self, loader: _Loader, g: int) -> int:
-        """Tokens to switch to before group ``g`` (0: go on recomputing); a check, no wait."""
-        return loader.ready_from(g)
+    def _group(self, layer: int) -> int:
+        """The layer group holding ``layer``."""
+        return max(g for g in range(self.prefill.groups) if self.prefill.bounds[g] <= layer)
 
-    def _switch(self, g: int, hidden: torch.Tensor, pos: torch.Tensor, landed: int,
+    def _landed(self, loader: _Loader, layer: int) -> int:
+        """Tokens to switch to before ``layer`` (0: go on recomputing); a check, no wait."""
+        return loader.ready_from(self._group(layer))
+
+    def _switch(self, layer: int, hidden: torch.Tensor, pos: torch.Tensor, landed: int,
                 loader: _Loader) -> Outcome:
-        """Stages ``g..`` over the positions past the landed prefix, with the landed KV."""
+        """Layers ``layer..`` over the positions past the landed prefix, with the landed KV."""
         sp, n = self.prefill, len(pos)
         current = torch.cuda.current_stream(sp.kv.device) if self._stream is not None else None
-        for h in range(g, sp.groups):
+        for h in range(self._group(layer), sp.groups):
             if current is not None:
                 current.wait_event(loader.events[h])
-            a, b = sp.bounds[h], sp.bounds[h + 1]
+            a, b = max(layer, sp.bounds[h]), sp.bounds[h + 1]
             sp.kv[a:b, :, :, :landed].copy_(self.scratch[a:b, :, :, :landed], non_blocking=True)
-        rest = hidden[:, landed:]
-        rest = sp.run_layers(rest, pos[landed:], n, range(sp.bounds[g], sp.bounds[-1]))
-        return Outcome(landed, int(sp.tail(rest)[-1].item()), g)
+        rest, at = hidden[:, landed:], pos[landed:]
+        rest = sp.run_layers(rest, at, n, range(layer, sp.kv.shape[0]))
+        return Outcome(landed, int(sp.tail(rest)[-1].item()), layer)

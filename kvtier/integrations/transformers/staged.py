@@ -11,8 +11,9 @@ runs of consecutive decoder layers (``bounds[g]`` to ``bounds[g + 1]``):
   is launched and the exception propagates.
 - On CUDA each stage of each (suffix, kv) shape is one captured graph (the embedding in the first,
   the norm, head and greedy token in the last); elsewhere the same stages run eagerly.
-- ``run_layers(hidden, pos, kv_len, layers)``: eager layers over any hidden states (e.g. the
-  suffix rows of a recompute that is switched to restored KV half way; see ``race``).
+- ``run_layers(hidden, pos, kv_len, layers, emb=None)``: eager layers over any hidden states
+  (e.g. the suffix rows of a recompute that is switched to restored KV half way; see ``race``);
+  ``rotary(hidden, pos)``, ``head(ids)`` and ``tail(hidden)``: the pieces around the layers.
 
 Exactness: every stage runs the same modules on the same inputs as the unstaged forward, so the
 tokens (and the KV written) equal ``first_token``'s.
@@ -88,14 +89,21 @@ class StagedPrefill(StaticPrefill):
                     self._staged_bucket(s, kv_len)
         return sum(1 for st in self._stages.values() if st.graphs)
 
-    def run_layers(self, hidden: torch.Tensor, pos: torch.Tensor, kv_len: int,
-                   layers: range) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, pos: torch.Tensor, kv_len: int, layers: range,
+                   emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Eagerly run ``layers`` over ``hidden`` (``[1, S, hidden]`` at positions ``pos``),
-        their KV written into ``kv`` at ``pos`` and attention over ``kv[:kv_len]``."""
-        inner = self.model.model
-        cos, sin = inner.rotary_emb(hidden, pos[None])
+        their KV written into ``kv`` at ``pos`` and attention over ``kv[:kv_len]``. ``emb``:
+        ``rotary(hidden, pos)`` if already computed (else computed here)."""
+        if emb is None:
+            emb = self.rotary(hidden, pos)
         with self._attention_impl(), torch.no_grad():
-            return self._layers(hidden, pos, (cos, sin), self.kv, kv_len, layers)
+            return self._layers(hidden, pos, emb, self.kv, kv_len, layers)
+
+    def rotary(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embeddings (cos, sin) of positions ``pos`` for ``hidden``'s dtype."""
+        with torch.no_grad():
+            cos, sin = self.model.model.rotary_emb(hidden, pos[None])
+        return cos, sin
 
     def head(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding of ``ids`` (``[1, S]``): the input of layer 0."""

@@ -27,8 +27,8 @@ SHAPE = TinyShape(layers=4, hidden=64, heads=4, kv_heads=2)
 
 
 class SwitchBefore(RacedRestore):
-    """A race whose checks say "not yet" before group ``at`` and wait for the load there: the
-    load wins exactly before group ``at``."""
+    """A race whose checks say "not yet" before layer ``at`` and wait for the load there: the
+    load wins exactly before layer ``at``."""
 
     at = 0
 
@@ -63,23 +63,25 @@ def next_token(model, ids: list[int]) -> int:
         return int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
 
 
-def setup(model, engine, kv_step=None) -> tuple[LayerGroupStore, StagedPrefill, StagedPrefill]:
+def setup(model, engine, kv_step=None,
+          n_groups=4) -> tuple[LayerGroupStore, StagedPrefill, StagedPrefill]:
     """A stored 100-token conversation; (store, its source prefill, a stale prefill)."""
-    src = StagedPrefill(model, 256, step=16, kv_step=kv_step, groups=4)
+    src = StagedPrefill(model, 256, step=16, kv_step=kv_step, groups=n_groups)
     src.extend(tokens(100, 1), 0)
     groups = LayerGroupStore(engine, bounds=src.bounds, model_config=model.config,
                              dtype=model.dtype, device=model.device, tenant="t",
                              block_size=BLOCK)
     assert groups.save(src.kv, tokens(100, 1)) == 6
-    fresh = StagedPrefill(model, 256, step=16, kv_step=kv_step, groups=4)
+    fresh = StagedPrefill(model, 256, step=16, kv_step=kv_step, groups=n_groups)
     fresh.kv.normal_()  # stale bytes: only what the race writes may be read
     return groups, src, fresh
 
 
 @pytest.mark.parametrize("kv_step", [None, 64], ids=["exact", "masked"])
-@pytest.mark.parametrize("at", [0, 2, 3])
-def test_a_load_that_lands_is_switched_to_exactly(model, engine, at, kv_step) -> None:
-    groups, src, fresh = setup(model, engine, kv_step)
+@pytest.mark.parametrize(("at", "n_groups"), [(0, 4), (2, 4), (3, 4), (1, 2), (3, 2)])
+def test_a_load_that_lands_is_switched_to_exactly(model, engine, at, n_groups, kv_step) -> None:
+    """Before a first layer of a group or mid-group (layers 1 and 3 of two 2-layer groups)."""
+    groups, src, fresh = setup(model, engine, kv_step, n_groups)
     with groups:
         race = SwitchBefore(groups, fresh)
         race.at = at
