@@ -174,6 +174,29 @@ def test_bad_layer_groups_are_refused(model, engine) -> None:
             groups.first_token(StagedPrefill(model, 64, groups=2), tokens(20, 1))
 
 
+def test_overlapped_restore_through_daemon(model, daemon_factory) -> None:
+    """The group stores attach through a real daemon; a second client of the same tenant
+    restores what the first saved, group by group, exactly; another tenant finds nothing."""
+    from kvtier.client import connect
+
+    address = daemon_factory(cpu_gb=0.25)
+    ids, tail = tokens(80, 13), tokens(11, 14)
+    src = StagedPrefill(model, 256, step=16, groups=2)
+    src.extend(ids, 0)
+    kw = dict(bounds=src.bounds, model_config=model.config, dtype=model.dtype, device="cpu",
+              block_size=BLOCK)
+    with connect(address, tenant="t") as a, LayerGroupStore(a, **kw) as saver:
+        assert saver.save(src.kv, ids) == 5
+    with connect(address, tenant="t") as b, LayerGroupStore(b, **kw) as groups:
+        over = StagedPrefill(model, 256, step=16, groups=2)
+        over.kv.normal_()
+        n, got = groups.first_token(over, ids + tail)
+        assert n == 80 and got == next_token(model, ids + tail)
+        assert torch.equal(over.kv[:, :, :, :80], src.kv[:, :, :, :80])
+    with connect(address, tenant="u") as c, LayerGroupStore(c, **kw) as other:
+        assert other.lookup(ids + tail) == 0  # another tenant can't even name these blocks
+
+
 @pytest.mark.cuda
 def test_overlapped_restore_on_cuda_equals_whole_restore() -> None:
     """Per-group graphs replayed with each group's restore just before: same tokens and KV."""
