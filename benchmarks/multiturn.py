@@ -16,6 +16,9 @@ weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
   (at the tiers' throughput the engine measured) beats recomputing them (at the prefill rate
   measured before the modes run) are loaded; the rest is prefilled. Each turn's choice (load,
   split, recompute) is reported, and whether this mode's TTFT ever exceeded recompute's.
+- ``kvtier-cpu-overlap`` / ``kvtier-disk-race``: the KV stored per layer group, restored group
+  by group while the prefill runs, and (disk) a prefix with blocks on disk raced against the
+  recompute (``multiturn_overlap``; ``--layer-groups``).
 - ``kvtier-cpu-eager``: restore into a ``DynamicCache`` and prefill with transformers' eager
   forward (what the graph saves).
 - ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)`` kept per conversation (its
@@ -45,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from multiturn_overlap import GroupedKVTier
 from multiturn_report import Turn, against_recompute, markdown, plot, same_tokens, summarize
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -67,7 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reply-tokens", type=int, default=None, help="synthetic reply per turn")
     p.add_argument("--disk-path", default="", help="disk tier folder (default: a temp dir)")
     p.add_argument("--modes",
-                   default="recompute,kvtier-cpu,kvtier-disk,kvtier-cpu-eager,hf-offloaded")
+                   default="recompute,kvtier-cpu,kvtier-cpu-overlap,kvtier-disk,"
+                           "kvtier-disk-race,kvtier-cpu-eager,hf-offloaded")
+    p.add_argument("--layer-groups", type=int, default=None,
+                   help="layer groups of the overlap and race modes (default 4; --tiny 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-planner", action="store_true",
                    help="kvtier-disk loads every stored block (no cost-aware loads)")
@@ -76,8 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="masked attention over multiples of this many positions (default: "
                         "exact lengths, flash attention, one graph per prefix length)")
     args = p.parse_args(argv)
-    tiny = dict(conversations=3, turns=4, max_context=512, block_size=32, reply_tokens=96)
-    full = dict(conversations=8, turns=16, max_context=8192, block_size=256, reply_tokens=384)
+    tiny = dict(conversations=3, turns=4, max_context=512, block_size=32, reply_tokens=96,
+                layer_groups=2)
+    full = dict(conversations=8, turns=16, max_context=8192, block_size=256, reply_tokens=384,
+                layer_groups=4)
     for k, v in (tiny if args.tiny else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -148,7 +157,7 @@ class Mode:
         return
 
 
-def run_mode(mode: Mode, trace: list, device: torch.device) -> list[Turn]:
+def run_mode(mode: Mode | GroupedKVTier, trace: list, device: torch.device) -> list[Turn]:
     rows: list[Turn] = []
     history: list[list[int]] = [[] for _ in trace]
     for t in range(len(trace[0])):
@@ -341,7 +350,7 @@ def measure_prefill(model: LlamaForCausalLM, args: argparse.Namespace,
 
 def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.device,
                dtype: torch.dtype, disk_dir: str,
-               prefill: PrefillModel | None = None) -> list[Callable[[], Mode]]:
+               prefill: PrefillModel | None = None) -> list[Callable[[], Mode | GroupedKVTier]]:
     """Mode constructors in run order (built one at a time so only one holds memory)."""
     from kvtier.client._backend import round_page
 
@@ -349,13 +358,18 @@ def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.
     ctx_pages = args.max_context // args.block_size + 1
     roomy = page * ctx_pages * args.conversations * 2
     tight = page * ctx_pages  # one conversation: the others' prefixes live on disk
-    table: dict[str, Callable[[], Mode]] = {
+    table: dict[str, Callable[[], Mode | GroupedKVTier]] = {
         "recompute": lambda: Recompute(model),
         "kvtier-cpu": lambda: KVTier("kvtier-cpu", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "kvtier-disk": lambda: planned(KVTier("kvtier-disk", model, engine_config(
             args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
             args, dtype), prefill),
+        "kvtier-cpu-overlap": lambda: GroupedKVTier("kvtier-cpu-overlap", model, engine_config(
+            args, device, page, cpu_bytes=roomy), args, race=False, user=user_tokens(args)),
+        "kvtier-disk-race": lambda: GroupedKVTier("kvtier-disk-race", model, engine_config(
+            args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
+            args, race=True, user=user_tokens(args)),
         "kvtier-cpu-eager": lambda: KVTierEager("kvtier-cpu-eager", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "hf-offloaded": lambda: HFOffloaded(model),
@@ -392,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 mode.close()
                 meta["restored_from"][mode.name] = getattr(mode, "restored_from", None)
+                if getattr(mode, "races", None):
+                    meta.setdefault("races", {})[mode.name] = dict(mode.races)
                 if getattr(mode, "graphs", None):
                     meta.setdefault("graphs_captured", {})[mode.name] = mode.graphs
             gc.collect()

@@ -1,4 +1,7 @@
 """Prefix reuse for transformers generation: ``cache.ConversationStore`` (restore and save a
 conversation's KV), ``static.StaticPrefill`` (prefill over a preallocated KV buffer from CUDA
-graphs) and ``pool`` (a store's blocks as pages of its own pool). Imports transformers.
+graphs), ``pool`` (a store's blocks as pages of its own pool), ``staged.StagedPrefill`` (that
+prefill in layer groups), ``overlap.LayerGroupStore`` (KV stored per layer group, restored while
+the prefill runs) and ``race.RacedRestore`` (a slow load raced against the recompute). Imports
+transformers.
 """

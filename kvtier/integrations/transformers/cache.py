@@ -27,7 +27,11 @@ was.
 A page is one block of ``block_size`` tokens' KV across all layers, laid out
 ``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and padded to 4 KiB. Keys are
 chained hashes of token ids in a namespace of the model layout (see ``_blocks``); kvtier salts
-them per tenant. Batch size 1 (one conversation per cache); full-attention layers only.
+them per tenant. ``layers=range(a, b)`` makes a store of one layer group: its pages hold only
+layers ``[a, b)`` (keys in a namespace of their own), ``restore_into`` and ``save`` take buffers
+of those layers (e.g. ``kv[a:b]``) and ``restore`` is refused (see ``overlap``, which restores
+group by group while the prefill runs). Batch size 1 (one conversation per cache);
+full-attention layers only.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -128,12 +132,21 @@ class ConversationStore:
     def __init__(self, target: Any, *, model_config: Any, dtype: torch.dtype,
                  device: torch.device | str, tenant: str | None = None, block_size: int = 256,
                  staging_slots: int = 32, model_id: str = "", keep_on_gpu: bool = False,
-                 gpu_slots: int = 64) -> None:
-        self.backend: Backend = as_backend(target, tenant)
+                 gpu_slots: int = 64, layers: range | None = None) -> None:
         self.layout = KVLayout.of(model_config, block_size, dtype)
+        self.layers = range(self.layout.layers) if layers is None else layers
+        self._group = layers is not None
+        extra: tuple[object, ...] = ()
+        if layers is not None:  # a layer group's own pages, in a namespace of its own
+            if not (layers.step == 1 and 0 <= layers.start < layers.stop <= self.layout.layers):
+                raise ValueError(f"layers: need a range within [0, {self.layout.layers}), "
+                                 f"got {layers}")
+            self.layout = replace(self.layout, layers=len(layers))
+            extra = (("layers", layers.start, layers.stop),)
+        self.backend: Backend = as_backend(target, tenant)
         self.device = torch.device(device)
         self.model_config = model_config
-        self.ns = namespace("hf", model_id, self.layout)
+        self.ns = namespace("hf", model_id, self.layout, *extra)
         self._chains = KeyChains(block_size, ns=self.ns)
         self.counters = StoreCounters()
         page = round_page(self.layout.raw_bytes)
@@ -194,6 +207,10 @@ class ConversationStore:
         """How many leading tokens of ``token_ids`` :meth:`restore` would restore now."""
         return self._held(self._restorable_keys(token_ids)) * self.layout.block_size
 
+    def stored_tiers(self, token_ids: Sequence[int]) -> list[Tier]:
+        """The tier of each keyed block of the longest stored prefix (pool pages not counted)."""
+        return self._lookup(self._restorable_keys(token_ids))
+
     def _held(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` kvtier holds: pool pages first, then keyed pages."""
         n = 0 if self._pool is None else self._pool.known(keys)
@@ -201,6 +218,8 @@ class ConversationStore:
 
     def restore(self, token_ids: Sequence[int]) -> KVTierCache:
         """A cache holding the KV of the longest stored prefix (possibly empty)."""
+        if self._group:
+            raise ValueError("restore: a store of a layer group restores into buffers only")
         cache = KVTierCache(config=self.model_config)
         parts: list[torch.Tensor] = []
         tiers = self._restore_rows(self._restorable_keys(token_ids),
@@ -367,8 +386,9 @@ class ConversationStore:
         if isinstance(cache, torch.Tensor):
             return cache[:, :, :, begin:end]
         layers: list[Any] = list(cache.layers)
-        if len(layers) != self.layout.layers:
+        if len(layers) < self.layers.stop or (not self._group and len(layers) != len(self.layers)):
             raise ValueError(f"cache has {len(layers)} layers, the model {self.layout.layers}")
+        layers = layers[self.layers.start : self.layers.stop]
         if layers[0].keys.shape[0] != 1:
             raise ValueError("ConversationStore handles batch size 1 only")
         return torch.stack([
