@@ -1,8 +1,9 @@
 """Shutdown flush: keyed pages in the CPU tier go to disk so a clean restart finds them.
 
 Contract: ``flush_keyed(core, seconds)`` runs while the engine closes, before the scheduler stops.
-With a disk tier (and disk admission other than ``never``), every settled, unprotected keyed page
-in the CPU tier is moved to disk (the admission rule is not asked: the alternative is losing it),
+With a medium below the CPU (and disk admission other than ``never``), every settled, unprotected
+keyed page in the CPU tier is moved one level down, to the first medium (the disk store unless
+the chain names another first) (the admission rule is not asked: the alternative is losing it),
 using free disk slots first, then room made by the disk policy (only keyed pages survive a
 restart, so little of value is given up for them). Tenants' disk quotas hold: what a quota
 refuses is dropped as ``tenant_quota``, as the cascade does. It waits at most ``seconds``: moves
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.state.table import EMPTY, by_value
-from kvtier.types import Direction, Tier
+from kvtier.types import BELOW_CPU, Direction, Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
@@ -38,7 +39,7 @@ class FlushResult:
 
 def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
     """Move keyed CPU-tier pages to disk within ``seconds`` (see the module contract)."""
-    if core.disk is None or core.config.disk_admission == "never":
+    if BELOW_CPU not in core.media or core.config.disk_admission == "never":
         return FlushResult(0, 0, 0)
     deadline = time.monotonic() + max(0.0, seconds)
     t = core.table
@@ -51,7 +52,7 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
         late = started[t.moving_down(started)]
         if len(late):
             core.cancel(late)  # queued ones come back; ones under way land after we stop waiting
-        flushed = int(t.at(started, Tier.DISK).sum())
+        flushed = int(t.below_cpu(started).sum())
         left = int((t.at(rows, Tier.CPU) | t.moving_down(rows)).sum())  # not dropped by a quota
     result = FlushResult(len(rows), flushed, left)
     if result.lost:
@@ -79,13 +80,13 @@ def _by_size(core: EngineCore, rows: np.ndarray) -> list[tuple[int, np.ndarray]]
 
 def _start(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
     """Queue the moves of as many of ``rows`` as the disk takes; the rows started."""
-    disk = core.disk
-    assert disk is not None
+    disk = core.media[BELOW_CPU]
     if core.ledger.active:  # tenants' disk quotas hold at shutdown too
-        rows = core.cascade.fit_disk_quotas(rows, page_size)
+        rows = core.cascade.fit_quotas(BELOW_CPU, rows, page_size)
     slots = disk.alloc(page_size, len(rows))
     if slots is None:
-        core.cascade.make_disk_room(page_size, len(rows), np.unique(core.table.owner[rows]))
+        owners = np.unique(core.table.owner[rows])
+        core.cascade.make_room(BELOW_CPU, page_size, len(rows), owners)
         slots = disk.alloc(page_size, len(rows))
     if slots is None:  # as many as there are
         slots = []

@@ -168,7 +168,7 @@ def test_an_unknown_medium_in_the_chain_is_a_config_error_naming_the_variable(ma
 def test_a_chain_ending_at_the_cpu_drops_what_the_cpu_cannot_hold(make_engine):
     engine = make_engine(tier_chain=("gpu", "cpu"), cpu_memory_gb=8 * PAGE / 2**30,
                          disk_admission="always")  # a disk budget, but not in the chain
-    assert engine._core.disk is None
+    assert not engine._core.media
     pool = engine.attach("t", 4)
     for _ in range(6):
         got = engine.allocate(pool.pool_id, 4)
