@@ -160,7 +160,10 @@ class Cascade:
             return
         owners = np.unique(place.table.owner[rows])
         dsts = self.slots(below, page_size, len(rows), owners)
-        if len(dsts) < len(rows):
+        # The last level makes room at once (its victims are dropped): what still gets no slot
+        # there is dropped. A level with one under it makes room by moves that free its slots
+        # only when they end: victims it has no slot for yet stay where they are, for later.
+        if len(dsts) < len(rows) and self._below(below) is None:
             place.drop(rows[len(dsts) :], _full(below))
         self._starter.start_many(rows[: len(dsts)], Direction((tier, below)), dsts, urgent=False)
 
