@@ -11,10 +11,12 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from kvtier import PageState, Tier
 from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
+from kvtier.metrics import DaemonMetrics
 from kvtier.tiers.base import DiskSlot, TierCounters
 from kvtier.tiers.medium import NoRecords
 from kvtier.tiers.pinned import HostArena
@@ -244,6 +246,10 @@ def test_a_chain_of_two_media_demotes_through_both_restores_from_each_and_drops_
     moved = engine.stats().counters.moved
     assert moved[Direction((2, 3))].pages >= list(levels.values()).count(3)  # medium -> medium
     _check_one_state_each(engine, pool, ids)
+    scraped = generate_latest(DaemonMetrics(engine, "test").registry).decode()
+    for m in engine.stats().media:  # per medium on /metrics too
+        assert f'kvtier_medium_pages{{medium="{m.name}"}} {float(m.pages)}' in scraped
+        assert f'kvtier_medium_used_bytes{{medium="{m.name}"}} {float(m.used_bytes)}' in scraped
     for level, up in ((2, Direction.DISK_TO_CPU), (3, Direction((3, 1)))):
         page = next(p for p, at in levels.items() if at == level and _levels(engine, pool, [p]))
         counted = engine.stats().counters.moved.get(up)
