@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from kvtier import PageState, Tier
 from kvtier.config import OffloadConfig
+from kvtier.engine import TierEngine
 from kvtier.errors import ConfigError
 from kvtier.metrics import DaemonMetrics
 from kvtier.tiers.base import DiskSlot, TierCounters
@@ -24,7 +25,7 @@ from kvtier.tiers.registry import register_medium
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.transfer.registry import RouteContext, register_route
 from kvtier.types import Direction
-from tests.conftest import PAGE
+from tests.conftest import PAGE, small_config
 from tests.engine.test_engine import fill, verify
 
 
@@ -280,3 +281,31 @@ def test_bad_chains_are_config_errors_naming_the_variable(make_engine):
             make_engine(disk=False, tier_chain=chain)
     with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_TIER_CHAIN.*'nowhere'"):
         make_engine(disk=False, tier_chain=("gpu", "cpu", "dicta", "nowhere"))
+
+
+def test_keyed_pages_on_the_disk_below_another_medium_survive_a_restart(tmp_path):
+    from tests.prefix.test_flush import loaded, stored
+
+    def engine_on_disk():
+        return TierEngine(small_config(
+            tmp_path, tier_chain=("gpu", "cpu", "dicta", "disk"),
+            cpu_memory_gb=8 * PAGE / 2**30, disk_admission="always", threshold=1.0))
+
+    engine = engine_on_disk()
+    keys, data = stored(engine, 24)  # 8 stay in the CPU tier, 8 in the dict, the rest on disk
+    assert engine.wait_idle(10)
+    assert [m.pages for m in engine.stats().media] == [8, 8]
+    engine.close(grace=5)
+    again = engine_on_disk()
+    try:
+        s = again.stats()
+        # The dict keeps nothing; the disk keeps its 8, and those the shutdown flush (the CPU's
+        # keyed pages written one level down, into the dict) pushed on to it before the exit.
+        (_, kept), (name, on_disk) = [(m.name, m.pages) for m in s.media]
+        assert kept == 0 and name == "disk" and on_disk >= 8
+        found = [i for i, k in enumerate(keys) if again.lookup("t", [k]) == [Tier.DISK]]
+        assert len(found) == on_disk  # the disk's records, read back at level 3
+        for i in found:
+            assert torch.equal(loaded(again, [keys[i]])[0], data[i])
+    finally:
+        again.close(grace=5)
