@@ -18,7 +18,6 @@ from kvtier.transfer.base import Moves, TransferHandler
 
 if TYPE_CHECKING:
     from kvtier.tiers.medium import SlotMedium
-    from kvtier.transfer.registry import RouteContext
 
 
 class MediumCopy(TransferHandler):
@@ -26,11 +25,6 @@ class MediumCopy(TransferHandler):
 
     def __init__(self, src: SlotMedium, dst: SlotMedium) -> None:
         self._src, self._dst = src, dst
-
-    @classmethod
-    def build(cls, ctx: RouteContext) -> TransferHandler:
-        assert ctx.src is not None and ctx.dst is not None
-        return cls(ctx.src, ctx.dst)
 
     def launch(self, batch: Moves) -> Callable[[], list[bool]]:
         size = batch.page_size

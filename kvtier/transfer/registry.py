@@ -81,9 +81,7 @@ def build_handlers(
     for (src, dst), pair in _pairs([n for n, _ in media]).items():
         build = _ROUTES.get(pair)
         if build is None and min(src, dst) >= BELOW_CPU:
-            from kvtier.transfer.between import MediumCopy
-
-            build = MediumCopy.build
+            build = _medium_copy
         if build is None:
             raise ConfigError(
                 f"{ENV_PREFIX}TIER_CHAIN: no transfer handler is registered for "
@@ -94,6 +92,13 @@ def build_handlers(
         handler.direction = direction
         handlers[direction] = handler
     return handlers
+
+
+def _medium_copy(ctx: RouteContext) -> TransferHandler:
+    from kvtier.transfer.between import MediumCopy
+
+    assert ctx.src is not None and ctx.dst is not None
+    return MediumCopy(ctx.src, ctx.dst)
 
 
 def _offload(ctx: RouteContext) -> TransferHandler:
