@@ -36,7 +36,7 @@ from kvtier.state.pool import Pool
 from kvtier.state.table import PageTable, by_value
 from kvtier.stats import EngineCounters, MediumStats
 from kvtier.tenancy.quotas import TenantLedger, parse_quotas
-from kvtier.tiers.base import DiskRecord, DiskSlot
+from kvtier.tiers.base import MediumSlot, SlotRecord
 from kvtier.tiers.pinned import HostArena
 from kvtier.types import BELOW_CPU, PoolId, Tier
 
@@ -153,7 +153,7 @@ class Placement:
             medium = self.media[tier]
             listed = slots.tolist()
             for slot in listed:
-                medium.clear_record(page_size, DiskSlot(slot))
+                medium.clear_record(page_size, MediumSlot(slot))
             medium.free(page_size, listed)
 
     def release(self, rows: np.ndarray) -> None:
@@ -197,8 +197,8 @@ class Placement:
         for row, slot in zip(rows.tolist(), t.slot[rows].tolist(), strict=True):
             key = t.key_of.get(row)
             if key is not None:
-                record = DiskRecord(key=key, tenant=t.tenant_of[row])
-                medium.set_record(page_size, DiskSlot(slot), record)
+                record = SlotRecord(key=key, tenant=t.tenant_of[row])
+                medium.set_record(page_size, MediumSlot(slot), record)
         medium.write_records()  # before any lookup can answer DISK for these keys
 
     def media_stats(self) -> tuple[MediumStats, ...]:

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier import PageState, TierEngine
 from kvtier.types import Tier
 from tests.conftest import PAGE, small_config
-from tests.engine import test_new_medium  # noqa: F401 - registers the dict media
+from tests.tiers import dict_medium  # noqa: F401 - registers the dict media
 
 SLOTS, CPU_PAGES, DISK_PAGES = 4, 6, 64
 

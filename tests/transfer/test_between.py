@@ -8,7 +8,7 @@ import torch
 from kvtier.transfer.base import Moves
 from kvtier.transfer.between import MediumCopy
 from kvtier.types import Direction
-from tests.engine.test_new_medium import DictMedium
+from tests.tiers.dict_medium import DictMedium
 
 PAGE = 4096
 
