@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.metrics_remote import REMOTE_METRIC_NAMES, remote_metrics
+from kvtier.metrics.remote import REMOTE_METRIC_NAMES, remote_metrics
 from kvtier.stats import EngineStats
 from kvtier.types import Direction, Tier
 
