@@ -77,7 +77,8 @@ class EngineCore(Placement):
 
     def _lanes(self, config: OffloadConfig) -> TransferScheduler:
         below = [(self.names[level], medium) for level, medium in self.media.items()]
-        handlers = build_handlers(self.device, self.host, below, config.batch_bytes)
+        handlers = build_handlers(self.device, self.host, below, config.batch_bytes,
+                                  self.record_level)
         gpus = {str(d): build_handlers(d, self.host, (), config.batch_bytes)
                 for d in self.devices[1:]}
         complete = self.completion.complete

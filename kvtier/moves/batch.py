@@ -74,6 +74,8 @@ class BulkMoves:
             place.unsettle(group, direction.src, pool, size)
             if pool is not None and direction is Direction.GPU_TO_CPU:
                 pool.moving_down += len(group)
+            elif direction.src >= BELOW_CPU and not direction.is_restore:
+                place.leave(direction.src, size, len(group))
             events = self._ready.events(t.ready[group]) if gpu_side else []
             batch = Moves(
                 direction,
@@ -151,6 +153,8 @@ class BulkMoves:
         pool = place.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None
         if pool is not None and src == Tier.GPU:
             pool.moving_down -= len(rows)
+        elif src >= BELOW_CPU and dst > src:
+            place.leave(src, size, -len(rows))
         if ok is None:
             self._settled(rows, direction, srcs, dsts, pool, size, frees)
         else:

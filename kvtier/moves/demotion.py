@@ -128,7 +128,12 @@ class Cascade:
         (with quotas)."""
         got = self._alloc(tier, page_size, n)
         if got is None:
-            self.make_room(tier, page_size, n, owners)
+            # Below the CPU, with a level under it: room already on its way (pages moving
+            # down out of it) counts, or each retry would push yet more pages down the chain.
+            middle = tier >= BELOW_CPU and self._below(tier) is not None
+            need = n - self._place.leaving.get((tier, page_size), 0) if middle else n
+            if need > 0:
+                self.make_room(tier, page_size, need, owners)
             got = self._alloc(tier, page_size, n)
         if got is None:  # as many as there are, one at a time
             parts: list[np.ndarray] = []

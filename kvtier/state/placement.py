@@ -68,7 +68,12 @@ class Placement:
         self.chain: tuple[int, ...] = tuple(range(BELOW_CPU + len(below)))
         self.names = ("gpu", "cpu", *(m.name for m in below))
         self.wire = (Tier.GPU, Tier.CPU, *(m.tier for m in below))
+        # The first level whose records survive a restart (the shutdown flush writes there).
+        self.record_level = next(
+            (BELOW_CPU + i for i, m in enumerate(below) if m.keeps_records), None)
         self.level_evictions = [0] * len(self.chain)
+        # (level, page size) -> pages moving down out of a medium: room on its way there.
+        self.leaving: dict[tuple[int, int], int] = {}
         create_row_policy(config.policy)  # fail at start on an unknown name
         # Below the GPU (whose policies are its pools'): a policy per level and page size.
         self.policies: dict[int, dict[int, RowPolicy]] = {t: {} for t in self.chain[1:]}
@@ -200,6 +205,11 @@ class Placement:
                 record = SlotRecord(key=key, tenant=t.tenant_of[row])
                 medium.set_record(page_size, MediumSlot(slot), record)
         medium.write_records()  # before any lookup can answer DISK for these keys
+
+    def leave(self, tier: int, page_size: int, n: int) -> None:
+        """``n`` more (or, negative, fewer) pages moving down out of the medium at ``tier``."""
+        key = (tier, page_size)
+        self.leaving[key] = self.leaving.get(key, 0) + n
 
     def media_stats(self) -> tuple[MediumStats, ...]:
         """Each medium below the CPU, top down: bytes, pages settled there, evictions."""

@@ -1,10 +1,12 @@
 """Slot media by name: how the tier chain's media below the CPU are opened.
 
 Contract:
-    * ``register_medium(name, open_fn, tier=Tier.DISK)``: ``open_fn(config)`` returns the
-      medium, or None when the configuration leaves it off (``disk`` without a budget);
-      ``tier`` is what the wire reports for pages there (Lookup, PageInfo, Stats). Names are
-      lowercase identifiers; registering a name again replaces it (a test double).
+    * ``register_medium(name, open_fn, tier=Tier.DISK, keeps_records=False)``:
+      ``open_fn(config)`` returns the medium, or None when the configuration leaves it off
+      (``disk`` without a budget); ``tier`` is what the wire reports for pages there (Lookup,
+      PageInfo, Stats); ``keeps_records``: its keyed pages' records survive a restart (the
+      shutdown flush writes keyed CPU pages to the first such medium). Names are lowercase
+      identifiers; registering a name again replaces it (a test double).
     * ``open_chain(config)`` -> the open media below the CPU, top down, one ``ChainMedium``
       each, for ``config.tier_chain[2:]``: a medium the configuration leaves off is skipped (the
       chain closes up). An unknown name is a ``ConfigError`` naming
@@ -22,20 +24,24 @@ from kvtier.tiers.medium import SlotMedium
 from kvtier.types import Tier
 
 OpenMedium = Callable[[OffloadConfig], SlotMedium | None]
-_MEDIA: dict[str, tuple[OpenMedium, Tier]] = {}
+_MEDIA: dict[str, tuple[OpenMedium, Tier, bool]] = {}
 
 
 @dataclass(slots=True, frozen=True)
 class ChainMedium:
-    """An open medium of the chain: its registered name, the store, its wire ``Tier``."""
+    """An open medium of the chain: its registered name, the store, its wire ``Tier``, whether
+    its records survive a restart."""
 
     name: str
     store: SlotMedium
     tier: Tier
+    keeps_records: bool = False
 
 
-def register_medium(name: str, open_fn: OpenMedium, tier: Tier = Tier.DISK) -> None:
-    _MEDIA[name] = (open_fn, tier)
+def register_medium(
+    name: str, open_fn: OpenMedium, tier: Tier = Tier.DISK, *, keeps_records: bool = False
+) -> None:
+    _MEDIA[name] = (open_fn, tier, keeps_records)
 
 
 def media() -> list[str]:
@@ -52,10 +58,10 @@ def open_chain(config: OffloadConfig) -> list[ChainMedium]:
             )
     opened: list[ChainMedium] = []
     for name in names:
-        open_fn, tier = _MEDIA[name]
+        open_fn, tier, keeps = _MEDIA[name]
         store = open_fn(config)
         if store is not None:
-            opened.append(ChainMedium(name, store, tier))
+            opened.append(ChainMedium(name, store, tier, keeps))
     return opened
 
 
@@ -72,4 +78,4 @@ def _open_disk(config: OffloadConfig) -> SlotMedium | None:
     )
 
 
-register_medium("disk", _open_disk)
+register_medium("disk", _open_disk, keeps_records=True)

@@ -24,11 +24,12 @@ def build_handlers(
     host: HostArena,
     media: Sequence[tuple[str, SlotMedium]],
     staging_bytes: int,
+    flush_to: int | None = None,
 ) -> dict[Direction, TransferHandler]:
     """The registered handler of each move along the chain: GPU<->CPU for ``device``, and
     between the CPU and the slot ``media`` below it (``(name, medium)``, top down; see
     ``registry.build_handlers``)."""
-    return _build(RouteContext(device, host, None, None, staging_bytes), media)
+    return _build(RouteContext(device, host, None, None, staging_bytes), media, flush_to)
 
 
 def build_inline_restore(

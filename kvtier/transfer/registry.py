@@ -6,9 +6,10 @@ Contract:
       medium) for a ``RouteContext`` (the GPU device, the host arena, the slot media at either
       end, the staging size). The handler's ``lane`` (or the default for its direction) picks
       the scheduler lane that runs it. Registering a pair again replaces it.
-    * ``build_handlers(ctx, media)``: the handler of each move the engine makes along a chain
-      whose media below the CPU are ``media`` (``(name, medium)``, top down): GPU<->CPU always;
-      CPU -> the first medium (demotion, shutdown flush); each medium -> the next (demotion);
+    * ``build_handlers(ctx, media, flush_to)``: the handler of each move the engine makes along
+      a chain whose media below the CPU are ``media`` (``(name, medium)``, top down): GPU<->CPU
+      always; CPU -> the first medium (demotion) and CPU -> level ``flush_to`` (the shutdown
+      flush, when it is deeper); each medium -> the next (demotion);
       each medium -> CPU (a restore reads straight from the level holding the page). Two slot
       media with no registered pair get ``transfer/between.py``'s ``MediumCopy`` (through
       host bounce buffers). A missing pair with the CPU is a ``ConfigError`` naming
@@ -59,7 +60,7 @@ def register_route(src: str, dst: str, build: Build) -> None:
     _ROUTES[(src, dst)] = build
 
 
-def _pairs(names: Sequence[str]) -> dict[tuple[int, int], tuple[str, str]]:
+def _pairs(names: Sequence[str], flush_to: int | None) -> dict[tuple[int, int], tuple[str, str]]:
     """(source level, destination level) -> (source name, destination name)."""
     chain = ["gpu", "cpu", *names]
     pairs: dict[tuple[int, int], tuple[str, str]] = {
@@ -70,15 +71,19 @@ def _pairs(names: Sequence[str]) -> dict[tuple[int, int], tuple[str, str]]:
         else:
             pairs[(level - 1, level)] = (chain[level - 1], chain[level])
         pairs[(level, Tier.CPU)] = (chain[level], "cpu")
+    if flush_to is not None:
+        pairs[(Tier.CPU, flush_to)] = ("cpu", chain[flush_to])
     return {(int(a), int(b)): pair for (a, b), pair in pairs.items()}
 
 
 def build_handlers(
-    ctx: RouteContext, media: Sequence[tuple[str, SlotMedium]] = ()
+    ctx: RouteContext,
+    media: Sequence[tuple[str, SlotMedium]] = (),
+    flush_to: int | None = None,
 ) -> dict[Direction, TransferHandler]:
     stores: list[SlotMedium | None] = [None, None, *(m for _, m in media)]
     handlers: dict[Direction, TransferHandler] = {}
-    for (src, dst), pair in _pairs([n for n, _ in media]).items():
+    for (src, dst), pair in _pairs([n for n, _ in media], flush_to).items():
         build = _ROUTES.get(pair)
         if build is None and min(src, dst) >= BELOW_CPU:
             build = _medium_copy
