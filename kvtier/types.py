@@ -31,9 +31,9 @@ class PageState(enum.Enum):
 
     GPU = "gpu"
     CPU = "cpu"
-    DISK = "disk"
-    MOVING_DOWN = "moving_down"  # GPU->CPU or CPU->DISK in flight; source still valid
-    MOVING_UP = "moving_up"  # DISK->CPU or CPU->GPU in flight; source still valid
+    DISK = "disk"  # settled in any medium below the CPU (its level: the page table's ``tier``)
+    MOVING_DOWN = "moving_down"  # one level down the chain in flight; source still valid
+    MOVING_UP = "moving_up"  # a medium below ->CPU or CPU->GPU in flight; source still valid
     DROPPED = "dropped"  # bytes lost (budget full, corrupt); reads fail with PageLost
 
 
