@@ -46,7 +46,7 @@ import xxhash
 from kvtier import OffloadConfig, Tier, TierEngine
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.diskio import probe_direct
-from kvtier.types import Direction
+from kvtier.types import BELOW_CPU, Direction
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -225,8 +225,8 @@ def engine_figures(args: argparse.Namespace, d: str, page: int) -> dict[str, Any
         assert torch.equal(pool.segments[0][slots].cpu(), want), "loaded bytes differ"
         r_bytes, r_lane = moved(engine, Direction.DISK_TO_CPU)
         _, up_lane = moved(engine, Direction.CPU_TO_GPU)
-        disk = engine._core.disk  # the store's own I/O clock (read + checksum, per batch)
-        assert disk is not None
+        # The store's own I/O clock (read + checksum, per batch): the medium below the CPU.
+        disk = engine._core.media[BELOW_CPU]
         stages = dict(
             disk_lane_s=r_lane,
             disk_store_s=disk.counters.read_seconds,

@@ -99,9 +99,11 @@ class OffloadConfig:
     tier_chain: tuple[str, ...] = _opt(
         ("gpu", "cpu", "disk"),
         "TIER_CHAIN",
-        "Media a page walks down, comma-separated: gpu, cpu, then at most one registered "
-        "medium below the CPU (its budget and path are its own settings); gpu,cpu: none.",
-        "gpu,cpu[,disk|<registered medium>]",
+        "Media a page walks down, comma-separated: gpu, cpu, then up to six distinct "
+        "registered media below the CPU, top down (each one's budget and path are its own "
+        "settings); a page pushed out of one goes to the next, and is dropped at the end; "
+        "gpu,cpu: none.",
+        "gpu,cpu[,disk|<registered medium>,...]",
     )
     # --- transfers --------------------------------------------------------------------------
     pinned_chunk_mb: int = _opt(
@@ -322,11 +324,14 @@ def _devices_ok(device: str) -> bool:
     )
 
 
+MAX_CHAIN = 8  # levels of the tier chain, GPU and CPU included
+
+
 def _chain_ok(chain: tuple[str, ...]) -> bool:
-    """``gpu``, ``cpu``, then at most one medium name (registered ones are checked when the
-    engine opens it: ``kvtier.tiers.registry``)."""
+    """``gpu``, ``cpu``, then up to ``MAX_CHAIN - 2`` distinct medium names, top down (registered
+    ones are checked when the engine opens them: ``kvtier.tiers.registry``)."""
     return (
-        2 <= len(chain) <= 3
+        2 <= len(chain) <= MAX_CHAIN
         and chain[:2] == ("gpu", "cpu")
         and len(set(chain)) == len(chain)
         and all(re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) is not None for name in chain)

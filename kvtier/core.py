@@ -6,7 +6,7 @@ Contract (every method here runs with ``self.cond`` held, except ``complete`` wh
       pieces which move pages (``kvtier.moves``), each built on the narrow things it uses,
       never on the core: ``bulk`` (``moves/batch.py``: per-batch prepare/finish), ``completion``
       (``moves/completion.py``: what the lanes report), ``starts`` (``moves/starter.py``:
-      ``offload`` / ``restore_cpu`` / ``restore_disk`` / ``cancel``) and the ``cascade`` it
+      ``offload`` / ``restore_cpu`` / ``restore_below`` / ``cancel``) and the ``cascade`` it
       builds (``moves/demotion.py``: room below the GPU, walking the tier chain down).
     * Pages are page-table rows (int64 arrays of distinct rows); every step is one numpy pass
       or one policy call per batch, never Python work per page on the transfer paths.
@@ -37,10 +37,10 @@ from kvtier.scheduler import TransferScheduler
 from kvtier.state.placement import Placement
 from kvtier.state.ready import ReadyEvents
 from kvtier.tiers.pinned import HostArena
-from kvtier.tiers.registry import open_lower
+from kvtier.tiers.registry import open_chain
 from kvtier.transfer import build_handlers, build_inline_restore
 from kvtier.transfer.base import Moves, TransferHandler
-from kvtier.types import PoolId, Tier
+from kvtier.types import PoolId
 
 if TYPE_CHECKING:
     from kvtier.prefix.remote import RemoteTier
@@ -59,9 +59,9 @@ class EngineCore(Placement):
         self.landings = Landings(lock)  # CPU->GPU moves ended; acquires wait for theirs
         cuda = self.device.type == "cuda"
         chunk = max(4096, min(config.pinned_chunk_mb * MIB, config.cpu_budget_bytes) // 4096 * 4096)
-        self.lower_name, lower = open_lower(config)  # the chain's medium below the CPU
+        below = open_chain(config)  # the chain's media below the CPU, top down
         host = HostArena(config.cpu_budget_bytes, chunk, pin=cuda)
-        super().__init__(config, host, lower)
+        super().__init__(config, host, below)
         self.remote: RemoteTier | None = None  # set by the engine (``prefix.remote.open_remote``)
         self.ready = ReadyEvents(self.device)
         self.inline_restores = {
@@ -73,12 +73,13 @@ class EngineCore(Placement):
         self.starts = Starter(self, self.bulk, self.scheduler, self.completion, self.landings,
                              self.inline_restore)
         self.cascade = self.starts.cascade
-        self._reload_disk()
+        self._reload_records()
 
     def _lanes(self, config: OffloadConfig) -> TransferScheduler:
-        handlers = build_handlers(self.device, self.host, self.disk, config.batch_bytes,
-                                  self.lower_name)
-        gpus = {str(d): build_handlers(d, self.host, None, config.batch_bytes)
+        below = [(self.names[level], medium) for level, medium in self.media.items()]
+        handlers = build_handlers(self.device, self.host, below, config.batch_bytes,
+                                  self.record_level)
+        gpus = {str(d): build_handlers(d, self.host, (), config.batch_bytes)
                 for d in self.devices[1:]}
         complete = self.completion.complete
         return TransferScheduler(
@@ -91,17 +92,18 @@ class EngineCore(Placement):
             gpus=gpus,
         )
 
-    def _reload_disk(self) -> None:
-        """Keyed pages persisted by an earlier process come back as DISK pages."""
-        if self.disk is None:
-            return
+    def _reload_records(self) -> None:
+        """Keyed pages persisted by an earlier process come back where their medium sits in
+        the chain (the disk store, wherever the chain puts it); a key found twice keeps the
+        copy nearest the CPU."""
         t = self.table
-        for page_size, slot, record in self.disk.records():
-            if t.keyed(record.key) is not None:
-                continue
-            rows = t.add(1, pool=0, size=page_size, owner=self.ledger.owner(record.tenant))
-            t.add_key(int(rows[0]), record.key, record.tenant)
-            self.settle(rows, Tier.DISK, np.array([slot], dtype=np.int64), None)
+        for level, medium in self.media.items():
+            for page_size, slot, record in medium.records():
+                if t.keyed(record.key) is not None:
+                    continue
+                rows = t.add(1, pool=0, size=page_size, owner=self.ledger.owner(record.tenant))
+                t.add_key(int(rows[0]), record.key, record.tenant)
+                self.settle(rows, level, np.array([slot], dtype=np.int64), None)
 
     def inline_restore(self, device: str) -> TransferHandler:
         """The inline CPU->GPU handler of a pool's ``device`` (the default one's otherwise)."""

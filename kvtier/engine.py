@@ -266,9 +266,9 @@ class TierEngine:
             pool = self._pool(pool_id)
             rows = core.table.unique(core.table.rows(pool_id, ids))
             on_cpu = rows[core.table.at(rows, Tier.CPU)][: pool.dev.num_free]
-            on_disk = rows[core.table.at(rows, Tier.DISK)]
+            on_disk = rows[core.table.below_cpu(rows)]
             starts = core.starts
-            return starts.restore_cpu(pool, on_cpu, urgent=False) + starts.restore_disk(on_disk)
+            return starts.restore_cpu(pool, on_cpu, urgent=False) + starts.restore_below(on_disk)
 
     def set_priority(
         self, pool_id: PoolId, page_ids: Sequence[PageId] | np.ndarray, priority: float
@@ -289,7 +289,7 @@ class TierEngine:
             t = self._core.table
             row = t.row(pool_id, page_id)
             state = t.page_state(row)
-            tier = None if state is PageState.DROPPED else Tier(int(t.tier[row]))
+            tier = None if state is PageState.DROPPED else self._core.wire[int(t.tier[row])]
             slot = int(t.slot[row]) if state is PageState.GPU else None
             return PageInfo(PageId(page_id), state, tier, slot, int(t.pins[row]))
 
@@ -351,6 +351,7 @@ class TierEngine:
             restores, offloads = core.scheduler.depth()
             return EngineStats(
                 tiers=tuple(TierStats(t, *self._usage(t), count[t]) for t in local),
+                media=core.media_stats(),
                 pools=len(core.pools),
                 tenants=len({p.tenant for p in core.pools.values()}),
                 queued_restores=restores,
@@ -369,8 +370,10 @@ class TierEngine:
             pools = core.pools.values()
             return (sum(p.used_slots * p.page_size for p in pools),
                     sum(p.num_slots * p.page_size for p in pools))
-        medium = core.host if tier is Tier.CPU else core.media.get(tier)
-        return (medium.used_bytes, medium.capacity_bytes) if medium is not None else (0, 0)
+        if tier is Tier.CPU:
+            return core.host.used_bytes, core.host.capacity_bytes
+        below = [m for level, m in core.media.items() if core.wire[level] is tier]
+        return sum(m.used_bytes for m in below), sum(m.capacity_bytes for m in below)
 
     def close(self, grace: float = 10.0) -> None:
         """Stop accepting work, write keyed CPU-tier pages to disk (``kvtier.prefix.flush``),

@@ -103,6 +103,19 @@ class TierStats:
 
 
 @dataclass(slots=True, frozen=True)
+class MediumStats:
+    """One medium of the chain below the CPU: its name, level (2 the first) and wire tier."""
+
+    name: str
+    level: int
+    tier: Tier
+    used_bytes: int
+    capacity_bytes: int
+    pages: int
+    evictions: int
+
+
+@dataclass(slots=True, frozen=True)
 class EngineStats:
     """A consistent snapshot taken under the engine lock."""
 
@@ -116,3 +129,4 @@ class EngineStats:
     keyed_pages: int
     counters: EngineCounters
     remote: RemoteStats | None = None  # None without a remote tier
+    media: tuple[MediumStats, ...] = ()  # per medium below the CPU, top down (``tiers``: summed)

@@ -2,7 +2,7 @@
 them. Everything here runs under the engine lock and stands on ``kvtier.state.placement`` (the page
 table, tiers, policies); nothing here imports the engine core, which composes these pieces.
 
-    * ``starter.py`` ``Starter``: queues moves (``offload``, ``restore_cpu``, ``restore_disk``,
+    * ``starter.py`` ``Starter``: queues moves (``offload``, ``restore_cpu``, ``restore_below``,
       ``start_many``) in growing chunks, runs small urgent restores inline, takes queued moves
       back (``cancel``).
     * ``batch.py`` ``BulkMoves``: turns rows into ``Moves`` batches (``prepare``: out of the

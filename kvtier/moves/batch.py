@@ -29,7 +29,7 @@ from kvtier.state.placement import Placement
 from kvtier.state.ready import ReadyEvents
 from kvtier.state.table import by_value
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction, PoolId, Tier
+from kvtier.types import BELOW_CPU, Direction, PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.state.pool import Pool
@@ -74,6 +74,8 @@ class BulkMoves:
             place.unsettle(group, direction.src, pool, size)
             if pool is not None and direction is Direction.GPU_TO_CPU:
                 pool.moving_down += len(group)
+            elif direction.src >= BELOW_CPU and not direction.is_restore:
+                place.leave(direction.src, size, len(group))
             events = self._ready.events(t.ready[group]) if gpu_side else []
             batch = Moves(
                 direction,
@@ -87,8 +89,9 @@ class BulkMoves:
                 events,
                 final=final,
             )
-            if direction.dst is not Tier.GPU:  # the destination slots are the tenant's now
-                place.ledger.incoming[direction.dst] += place.ledger.per_owner(t.owner[group], size)
+            if direction.dst != Tier.GPU:  # the destination slots are the tenant's now
+                owners = place.ledger.per_owner(t.owner[group], size)
+                place.ledger.incoming[place.wire[direction.dst]] += owners
             number = next(self._numbers)
             self._batches[number] = batch
             t.mark_moving(group, direction.is_restore, number)
@@ -144,12 +147,14 @@ class BulkMoves:
         place, t = self._place, self._place.table
         src, dst = direction._value_
         size = int(t.size[rows[0]])
-        if dst is not Tier.GPU:  # reserved at ``prepare``: settled below, or given back
-            place.ledger.incoming[dst] -= place.ledger.per_owner(t.owner[rows], size)
+        if dst != Tier.GPU:  # reserved at ``prepare``: settled below, or given back
+            place.ledger.incoming[place.wire[dst]] -= place.ledger.per_owner(t.owner[rows], size)
         pool_id = int(t.pool[rows[0]])
         pool = place.pools.get(PoolId(pool_id)) if Tier.GPU in (src, dst) else None
-        if pool is not None and src is Tier.GPU:
+        if pool is not None and src == Tier.GPU:
             pool.moving_down -= len(rows)
+        elif src >= BELOW_CPU and dst > src:
+            place.leave(src, size, -len(rows))
         if ok is None:
             self._settled(rows, direction, srcs, dsts, pool, size, frees)
         else:
@@ -179,14 +184,15 @@ class BulkMoves:
         frees.add(src, pool, size, srcs)
         place.settle(rows, dst, dsts, pool)
         if dst in place.media:  # a slot medium below the CPU keeps keyed pages' records
-            place.set_disk_records(rows, size, dst)
-        if dst is Tier.GPU:
+            place.set_records(rows, size, dst)
+        if dst == Tier.GPU:
             assert pool is not None
             place.land(pool, rows)
         if place.events.active:
             t = place.table
             for page_id, pool_id in zip(t.ids(rows).tolist(), t.pool[rows].tolist(), strict=True):
-                place.events.publish(Event("moved", pool_id or None, page_id, src, dst))
+                place.events.publish(Event("moved", pool_id or None, page_id, place.wire[src],
+                                           place.wire[dst]))
 
     def _failed(
         self,
@@ -204,10 +210,11 @@ class BulkMoves:
         src, dst = direction._value_
         place.free_slots(dst, size, dsts, pool)
         place.settle(rows, src, srcs, pool)
-        if src is Tier.GPU:
+        if src == Tier.GPU:
             assert pool is not None
             place.land(pool, rows)
-        if direction is Direction.DISK_TO_CPU and corrupt and not place.closed:
+        # A restore read from a medium below the CPU that failed: its bytes there are bad.
+        if src >= BELOW_CPU and dst == Tier.CPU and corrupt and not place.closed:
             place.counters.checksum_failures += len(rows)
             place.drop(rows, "corrupt")
 

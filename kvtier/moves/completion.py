@@ -24,6 +24,7 @@ from kvtier.moves.batch import BulkMoves
 from kvtier.moves.frees import Frees
 from kvtier.moves.landings import Landings
 from kvtier.state.placement import Placement
+from kvtier.stats import DirectionCounters
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction
 
@@ -80,7 +81,8 @@ class Completion:
     def _count(self, batch: Moves, results: list[bool], seconds: float) -> None:
         if not len(batch):
             return
-        c = self._place.counters.moved[batch.direction]
+        moved = self._place.counters.moved  # the four BASE moves, a deeper chain's on first use
+        c = moved.get(batch.direction) or moved.setdefault(batch.direction, DirectionCounters())
         ok_pages = results.count(True)
         c.bytes += ok_pages * batch.page_size
         c.pages += ok_pages

@@ -26,7 +26,7 @@ import numpy as np
 from kvtier.policy.base import RowFilter
 from kvtier.state.placement import Placement
 from kvtier.state.table import EMPTY, by_value
-from kvtier.types import Direction, PageId, PageMeta, Tier
+from kvtier.types import BELOW_CPU, Direction, PageId, PageMeta, Tier, level_name
 
 
 class MoveStarter(Protocol):
@@ -47,13 +47,13 @@ class Cascade:
         t = self._place.table
         return (t.protect[rows] > 0) | (t.waiting[rows] > 0)
 
-    def _victims_of(self, tier: Tier, owners: np.ndarray | None) -> RowFilter:
+    def _victims_of(self, tier: int, owners: np.ndarray | None) -> RowFilter:
         """``protected`` for a tier's policy: the usual pages, and with quotas every page whose
         tenant may not be displaced (within its quota) unless its owner is in ``owners``."""
         place = self._place
         if not place.ledger.active:
             return self._protected
-        allowed = place.ledger.evictable(tier)
+        allowed = place.ledger.evictable(place.wire[tier])
         if owners is not None:
             allowed = allowed.copy()
             allowed[owners] = True
@@ -68,7 +68,7 @@ class Cascade:
         owners = self._place.table.owner
         return lambda rows: self._protected(rows) | (owners[rows] != owner)
 
-    def _evict(self, tier: Tier, page_size: int, n: int, protected: RowFilter) -> np.ndarray:
+    def _evict(self, tier: int, page_size: int, n: int, protected: RowFilter) -> np.ndarray:
         """Up to ``n`` victims of the tier's policy, counted (the caller moves or drops them)."""
         place = self._place
         policy = place.policies[tier].get(page_size)
@@ -77,36 +77,37 @@ class Cascade:
         victims = policy.evict(n, protected, partial=True)
         if victims is None or not len(victims):
             return EMPTY
-        place.counters.evictions[tier] += len(victims)
-        place.ledger.evictions[tier] += place.ledger.per_owner(place.table.owner[victims])
+        wire = place.wire[tier]
+        place.counters.evictions[wire] += len(victims)
+        place.level_evictions[tier] += len(victims)
+        place.ledger.evictions[wire] += place.ledger.per_owner(place.table.owner[victims])
         policy.insert(victims, place.meta(victims))  # back in, so ``unsettle`` is uniform
         return victims
 
-    def fit_quota(self, tier: Tier, owner: int, page_size: int, n: int) -> int:
-        """How many of ``n`` pages ``owner`` may bring into ``tier``, after pushing its own
-        pages out of the tier (down the cascade from the CPU; dropped below it) to stay within
-        its quota."""
-        room = self._place.ledger.room(tier, owner) if owner else None
+    def fit_quota(self, tier: int, owner: int, page_size: int, n: int) -> int:
+        """How many of ``n`` pages ``owner`` may bring into level ``tier``, after pushing its
+        own pages out of it (down the cascade from the CPU; dropped below it) to stay within
+        its quota (quotas are per wire tier: every medium below the CPU counts as DISK)."""
+        place = self._place
+        room = place.ledger.room(place.wire[tier], owner) if owner else None
         if room is None or room // page_size >= n:
             return n
         allowed = room // page_size
         victims = self._evict(tier, page_size, n - allowed, self._own_only(owner))
         if len(victims):
-            if tier is Tier.CPU:
+            if tier == Tier.CPU:
                 self.demote(tier, victims, page_size)
             else:
-                self._place.drop(victims, "tenant_quota")
+                place.drop(victims, "tenant_quota")
         return allowed + len(victims)
 
-    def _below(self, tier: Tier) -> Tier | None:
-        """The next open tier of the chain under ``tier`` (None: ``tier`` is the last)."""
-        chain = self._place.chain
-        at = chain.index(tier) + 1
-        return chain[at] if at < len(chain) else None
+    def _below(self, tier: int) -> int | None:
+        """The next open level of the chain under ``tier`` (None: ``tier`` is the last)."""
+        return tier + 1 if tier + 1 < len(self._place.chain) else None
 
-    def _alloc(self, tier: Tier, page_size: int, n: int) -> np.ndarray | None:
+    def _alloc(self, tier: int, page_size: int, n: int) -> np.ndarray | None:
         """``n`` free slots of ``tier``, all or nothing (the CPU's contiguous when it can)."""
-        if tier is Tier.CPU:
+        if tier == Tier.CPU:
             return self._place.host.alloc_array(page_size, n)
         got = self._place.media[tier].alloc(page_size, n)
         return None if got is None else np.array(got, dtype=np.int64)
@@ -121,13 +122,18 @@ class Cascade:
         owners = np.array([owner], dtype=np.int64) if owner else None
         return self.slots(Tier.CPU, page_size, n, owners)
 
-    def slots(self, tier: Tier, page_size: int, n: int, owners: np.ndarray | None) -> np.ndarray:
+    def slots(self, tier: int, page_size: int, n: int, owners: np.ndarray | None) -> np.ndarray:
         """Up to ``n`` slots of ``tier``, making room (``make_room``) when it is full, then as
         many as there are, one at a time. ``owners``: tenants whose pages may make the room
         (with quotas)."""
         got = self._alloc(tier, page_size, n)
         if got is None:
-            self.make_room(tier, page_size, n, owners)
+            # Below the CPU, with a level under it: room already on its way (pages moving
+            # down out of it) counts, or each retry would push yet more pages down the chain.
+            middle = tier >= BELOW_CPU and self._below(tier) is not None
+            need = n - self._place.leaving.get((tier, page_size), 0) if middle else n
+            if need > 0:
+                self.make_room(tier, page_size, need, owners)
             got = self._alloc(tier, page_size, n)
         if got is None:  # as many as there are, one at a time
             parts: list[np.ndarray] = []
@@ -136,25 +142,22 @@ class Cascade:
             got = np.concatenate(parts) if parts else EMPTY
         return got
 
-    def make_room(self, tier: Tier, page_size: int, n: int, owners: np.ndarray | None) -> None:
+    def make_room(self, tier: int, page_size: int, n: int, owners: np.ndarray | None) -> None:
         """Push ``n`` of ``tier``'s victims one step down the chain (never a page a restore
         is waiting for)."""
         victims = self._evict(tier, page_size, n, self._victims_of(tier, owners))
         if len(victims):
             self.demote(tier, victims, page_size)
 
-    def make_disk_room(self, page_size: int, n: int, owners: np.ndarray | None = None) -> None:
-        self.make_room(Tier.DISK, page_size, n, owners)
-
-    def demote(self, tier: Tier, rows: np.ndarray, page_size: int) -> None:
+    def demote(self, tier: int, rows: np.ndarray, page_size: int) -> None:
         """Victims of ``tier`` go to the next tier of the chain (from the CPU: if admitted)
         when it has room, else they are dropped."""
         place = self._place
         below = self._below(tier)
         if below is None:
-            place.drop(rows, f"{tier.name.lower()}_full")
+            place.drop(rows, _full(tier))
             return
-        if tier is Tier.CPU:
+        if tier == Tier.CPU:
             rows = self._admitted(rows)
         if place.ledger.active:
             rows = self.fit_quotas(below, rows, page_size)
@@ -162,8 +165,11 @@ class Cascade:
             return
         owners = np.unique(place.table.owner[rows])
         dsts = self.slots(below, page_size, len(rows), owners)
-        if len(dsts) < len(rows):
-            place.drop(rows[len(dsts) :], f"{below.name.lower()}_full")
+        # The last level makes room at once (its victims are dropped): what still gets no slot
+        # there is dropped. A level with one under it makes room by moves that free its slots
+        # only when they end: victims it has no slot for yet stay where they are, for later.
+        if len(dsts) < len(rows) and self._below(below) is None:
+            place.drop(rows[len(dsts) :], _full(below))
         self._starter.start_many(rows[: len(dsts)], Direction((tier, below)), dsts, urgent=False)
 
     def _admitted(self, rows: np.ndarray) -> np.ndarray:
@@ -188,10 +194,7 @@ class Cascade:
             place.drop(rows[~admit], "no_admission")
         return rows[admit]
 
-    def fit_disk_quotas(self, rows: np.ndarray, page_size: int) -> np.ndarray:
-        return self.fit_quotas(Tier.DISK, rows, page_size)
-
-    def fit_quotas(self, tier: Tier, rows: np.ndarray, page_size: int) -> np.ndarray:
+    def fit_quotas(self, tier: int, rows: np.ndarray, page_size: int) -> np.ndarray:
         """The rows each tenant's quota in ``tier`` lets in (after dropping its own pages
         there for room); the others are dropped."""
         owners = self._place.table.owner[rows]
@@ -203,3 +206,9 @@ class Cascade:
                 self._place.drop(part[n:], "tenant_quota")
             keep.append(part[:n])
         return np.concatenate(keep) if keep else EMPTY
+
+
+def _full(level: int) -> str:
+    """The drop reason of a full level: ``cpu_full``, ``disk_full`` (every medium below the CPU:
+    the reasons stay a fixed set, ``metrics.DROP_REASONS``)."""
+    return f"{level_name(min(level, BELOW_CPU)).lower()}_full"

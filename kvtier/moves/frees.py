@@ -19,10 +19,10 @@ class Frees:
     __slots__ = ("_slots",)
 
     def __init__(self) -> None:
-        self._slots: dict[tuple[Tier, int], tuple[Pool | None, list[np.ndarray]]] = {}
+        self._slots: dict[tuple[int, int], tuple[Pool | None, list[np.ndarray]]] = {}
 
-    def add(self, tier: Tier, pool: Pool | None, page_size: int, slots: np.ndarray) -> None:
-        key = (tier, pool.pool_id if tier is Tier.GPU and pool is not None else page_size)
+    def add(self, tier: int, pool: Pool | None, page_size: int, slots: np.ndarray) -> None:
+        key = (tier, pool.pool_id if tier == Tier.GPU and pool is not None else page_size)
         entry = self._slots.get(key)
         if entry is None:
             self._slots[key] = (pool, [slots])

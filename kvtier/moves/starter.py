@@ -4,12 +4,12 @@ Built on the placement, the bulk moves, the scheduler and the completion (for in
 it builds the cascade it makes room with, as that cascade's ``MoveStarter``.
 
 Contract (every method runs with the engine lock held):
-    * ``offload(rows)`` / ``restore_cpu(pool, rows)`` / ``restore_disk(rows)`` allocate the
+    * ``offload(rows)`` / ``restore_cpu(pool, rows)`` / ``restore_below(rows)`` allocate the
       destination slots a chunk at a time (chunks of 2, 4, 8, ... batches: the first copies start
       before the rest is prepared), prepare the moves (``BulkMoves.prepare``) and queue them; a
       page that gets no destination slot stays where it was. They return how many were queued.
     * ``start_many`` / ``start_as_taken`` are the shared mechanics (slots given, or taken per
-      chunk); the cascade queues its CPU->disk moves through ``start_many``.
+      chunk); the cascade queues its moves down the chain through ``start_many``.
     * A small urgent restore (at most ``INLINE_RESTORE_BYTES``) runs on the caller's thread with
       the pool device's inline handler and is completed before ``restore_cpu`` returns.
     * ``cancel(rows)`` takes back queued (not started) moves: those pages stay where they were.
@@ -184,12 +184,24 @@ class Starter:
             self._completion.complete(batch, results, time.perf_counter() - begin)
         return started
 
-    def restore_disk(self, rows: np.ndarray) -> int:
-        """Queue disk->CPU (the first leg of a disk restore), one CPU allocation per page size."""
-        started = 0
-        for (size, owner), group in self._groups(rows):
-            slots = self.cascade.cpu_slots(size, len(group), owner)
-            started += self.start_many(group, Direction.DISK_TO_CPU, slots, urgent=True)
+    def restore_below(self, rows: np.ndarray) -> int:
+        """Queue the first leg of a restore from below the CPU: each page is read straight from
+        the level holding it into a CPU slot (one read, whatever the depth; no room is needed
+        on the levels between), one CPU allocation per page size (and tenant). The pages are
+        guarded meanwhile, so making CPU room (which walks the chain down) never moves them."""
+        place, started = self._place, 0
+        place.protect(rows)
+        try:
+            for (size, owner), group in self._groups(rows):
+                slots = self.cascade.cpu_slots(size, len(group), owner)
+                group = group[: len(slots)]
+                for level, pos in by_value(place.table.tier[group]):
+                    whole = len(pos) == len(group)
+                    part, dsts = (group, slots) if whole else (group[pos], slots[pos])
+                    up = Direction((level, Tier.CPU))
+                    started += self.start_many(part, up, dsts, urgent=True)
+        finally:
+            place.unprotect(rows)
         return started
 
     def cancel(self, rows: np.ndarray) -> np.ndarray:

@@ -236,13 +236,13 @@ class _Acquire:
         hits, rows = self.core.counters.hits, self.rows
         if not len(rows):
             return
-        tiers = self.core.table.tier[rows]
+        tiers, wire = self.core.table.tier[rows], self.core.wire
         first = int(tiers[0])
         if (tiers == first).all():
-            hits[Tier(first)] += len(rows)
+            hits[wire[first]] += len(rows)
             return
-        for code, count in enumerate(np.bincount(tiers, minlength=3)):
-            hits[Tier(code)] += int(count)
+        for level, count in enumerate(np.bincount(tiers)):
+            hits[wire[level]] += int(count)
 
     def run(self, deadline: float) -> bool:
         """Pin everything (True if anything had to be restored); raises with nothing held.
@@ -332,7 +332,7 @@ class _Acquire:
         core, pool, t = self.core, self.pool, self.core.table
         pending = self.pending
         on_cpu = _where(pending, t.at(pending, Tier.CPU))
-        on_disk = _where(pending, t.at(pending, Tier.DISK)) if len(on_cpu) < len(pending) else EMPTY
+        on_disk = _where(pending, t.below_cpu(pending)) if len(on_cpu) < len(pending) else EMPTY
         if not len(on_cpu) and not len(on_disk):
             self._count_waits()
             return
@@ -344,7 +344,7 @@ class _Acquire:
             make_room(core, pool, short)
         core.starts.restore_cpu(pool, on_cpu, then=self._count_waits)
         if short <= 0 and len(on_disk):
-            core.starts.restore_disk(on_disk)
+            core.starts.restore_below(on_disk)
 
     def _undo(self) -> None:
         """Unpin what this acquire pinned; withdraw its waits from pages not yet landed."""

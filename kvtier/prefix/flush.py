@@ -1,14 +1,15 @@
 """Shutdown flush: keyed pages in the CPU tier go to disk so a clean restart finds them.
 
 Contract: ``flush_keyed(core, seconds)`` runs while the engine closes, before the scheduler stops.
-With a disk tier (and disk admission other than ``never``), every settled, unprotected keyed page
-in the CPU tier is moved to disk (the admission rule is not asked: the alternative is losing it),
-using free disk slots first, then room made by the disk policy (only keyed pages survive a
-restart, so little of value is given up for them). Tenants' disk quotas hold: what a quota
-refuses is dropped as ``tenant_quota``, as the cascade does. It waits at most ``seconds``: moves
-still queued then are cancelled (their pages stay in the CPU tier and die with the process).
-Pages left in the CPU tier are counted as ``shutdown`` drops and logged. The disk store journals
-the records of the pages that land, so they survive the exit.
+With a medium below the CPU whose records survive a restart (``Placement.record_level``: the
+disk store, wherever the chain puts it) and disk admission other than ``never``, every settled,
+unprotected keyed page in the CPU tier is moved straight to that medium (the admission rule is
+not asked: the alternative is losing it), using its free slots first, then room made by its
+policy (only keyed pages survive a restart, so little of value is given up for them). Tenants'
+disk quotas hold: what a quota refuses is dropped as ``tenant_quota``, as the cascade does. It
+waits at most ``seconds``: moves still queued then are cancelled (their pages stay in the CPU
+tier and die with the process). Pages left in the CPU tier are counted as ``shutdown`` drops and
+logged. The disk store journals the records of the pages that land, so they survive the exit.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class FlushResult:
 
 def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
     """Move keyed CPU-tier pages to disk within ``seconds`` (see the module contract)."""
-    if core.disk is None or core.config.disk_admission == "never":
+    if core.record_level is None or core.config.disk_admission == "never":
         return FlushResult(0, 0, 0)
     deadline = time.monotonic() + max(0.0, seconds)
     t = core.table
@@ -51,7 +52,7 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
         late = started[t.moving_down(started)]
         if len(late):
             core.cancel(late)  # queued ones come back; ones under way land after we stop waiting
-        flushed = int(t.at(started, Tier.DISK).sum())
+        flushed = int(t.below_cpu(started).sum())
         left = int((t.at(rows, Tier.CPU) | t.moving_down(rows)).sum())  # not dropped by a quota
     result = FlushResult(len(rows), flushed, left)
     if result.lost:
@@ -79,13 +80,15 @@ def _by_size(core: EngineCore, rows: np.ndarray) -> list[tuple[int, np.ndarray]]
 
 def _start(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
     """Queue the moves of as many of ``rows`` as the disk takes; the rows started."""
-    disk = core.disk
-    assert disk is not None
+    level = core.record_level
+    assert level is not None
+    disk = core.media[level]
     if core.ledger.active:  # tenants' disk quotas hold at shutdown too
-        rows = core.cascade.fit_disk_quotas(rows, page_size)
+        rows = core.cascade.fit_quotas(level, rows, page_size)
     slots = disk.alloc(page_size, len(rows))
     if slots is None:
-        core.cascade.make_disk_room(page_size, len(rows), np.unique(core.table.owner[rows]))
+        owners = np.unique(core.table.owner[rows])
+        core.cascade.make_room(level, page_size, len(rows), owners)
         slots = disk.alloc(page_size, len(rows))
     if slots is None:  # as many as there are
         slots = []
@@ -94,5 +97,5 @@ def _start(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
     rows = rows[: len(slots)]
     if len(rows):
         dsts = np.array(slots, dtype=np.int64)
-        core.starts.start_many(rows, Direction.CPU_TO_DISK, dsts, urgent=False)
+        core.starts.start_many(rows, Direction((Tier.CPU, level)), dsts, urgent=False)
     return rows

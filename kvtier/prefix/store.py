@@ -195,7 +195,7 @@ class PrefixStore:
                 row = t.keyed(salt_key(tenant, key))
                 if row is None or t.page_state(row) is PageState.DROPPED:
                     break
-                tier = Tier(int(t.tier[row]))
+                tier = core.wire[int(t.tier[row])]
                 tiers.append(tier)
                 core.counters.hits[tier] += 1
                 core.ledger.hits[tier, owner] += 1
@@ -354,9 +354,9 @@ class PrefixStore:
                     stale = held.difference(rows.tolist())
                     core.unprotect(np.array(sorted(stale), dtype=np.int64))
                     return rows
-                on_disk, down = rows[t.at(rows, Tier.DISK)], rows[t.moving_down(rows)]
+                on_disk, down = rows[t.below_cpu(rows)], rows[t.moving_down(rows)]
                 if len(on_disk):
-                    core.starts.restore_disk(on_disk)
+                    core.starts.restore_below(on_disk)
                 core.cancel(down)
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
@@ -369,9 +369,9 @@ class PrefixStore:
         """Queue the disk reads of every stored block of ``salted`` at once, so the disk lane
         reads the next chunk while the previous one is copied on (the chunks then only wait)."""
         rows = self._prefix(pool, salted)
-        on_disk = rows[self._core.table.at(rows, Tier.DISK)]
+        on_disk = rows[self._core.table.below_cpu(rows)]
         if len(on_disk):
-            self._core.starts.restore_disk(on_disk)
+            self._core.starts.restore_below(on_disk)
 
     def _prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
         """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size."""

@@ -4,8 +4,11 @@ The layer the move machinery stands on (``bulk``, ``cascade``, ``starts``, ``com
 receive it; ``EngineCore`` is one, extended with the lock, the lanes and those pieces).
 
 Contract (every method runs with the engine lock held):
-    * It holds the page table, the pools, the CPU and disk tiers, a row policy per tier (per
-      pool on the GPU, per page size below), the tenant ledger, counters and events.
+    * It holds the page table, the pools, the open levels of the tier chain (``chain``: 0 the
+      GPU, 1 the CPU, then the slot media below it in order, ``media`` by level), a row policy
+      per level (per pool on the GPU, per page size below), the tenant ledger, counters and
+      events. ``wire[level]`` is the ``Tier`` a level reports (every slot medium declares its
+      own; the ledger's quotas and the counters are per wire tier, ``level_counts`` per level).
     * ``settle(rows, tier, slots, pool)`` makes ``tier``/``slots`` the pages' home and puts
       them in that tier's policy; ``unsettle`` takes them out before their bytes leave;
       ``free_slots`` gives slots back to their tier; ``release`` forgets settled or dropped pages
@@ -18,6 +21,7 @@ Contract (every method runs with the engine lock held):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,14 +34,15 @@ from kvtier.policy.registry import create_row_policy
 from kvtier.state.events import Event, EventHub
 from kvtier.state.pool import Pool
 from kvtier.state.table import PageTable, by_value
-from kvtier.stats import EngineCounters
+from kvtier.stats import EngineCounters, MediumStats
 from kvtier.tenancy.quotas import TenantLedger, parse_quotas
-from kvtier.tiers.base import DiskRecord, DiskSlot
+from kvtier.tiers.base import MediumSlot, SlotRecord
 from kvtier.tiers.pinned import HostArena
-from kvtier.types import PoolId, Tier
+from kvtier.types import BELOW_CPU, PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.tiers.medium import SlotMedium
+    from kvtier.tiers.registry import ChainMedium
 
 _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into one int64
 
@@ -45,9 +50,11 @@ _KEY_TIER, _KEY_POOL = 58, 28  # ``groups`` packs (tier, pool, page size) into o
 class Placement:
     """Settled pages, their tiers' slots and policies, pins (see the module docstring)."""
 
-    def __init__(self, config: OffloadConfig, host: HostArena, disk: SlotMedium | None) -> None:
-        """``disk``: the tier chain's medium below the CPU (``Tier.DISK``; the disk store
-        unless the chain names another), None when the chain has none or it is off."""
+    def __init__(
+        self, config: OffloadConfig, host: HostArena, below: Sequence[ChainMedium] = ()
+    ) -> None:
+        """``below``: the open slot media of the tier chain under the CPU, top down (levels
+        ``BELOW_CPU``, ...; none when the chain ends at the CPU)."""
         self.config = config
         self.table = PageTable()
         self.pools: dict[PoolId, Pool] = {}
@@ -55,13 +62,21 @@ class Placement:
         self.ledger = TenantLedger(parse_quotas(config.tenant_quotas))  # bytes per tenant
         self.events = EventHub()
         self.host = host
-        self.disk = disk
-        # The open tiers of the chain, top down, and the slot media below the CPU by tier.
-        self.media: dict[Tier, SlotMedium] = {} if disk is None else {Tier.DISK: disk}
-        self.chain = (Tier.GPU, Tier.CPU, *self.media)
+        # The open levels of the chain, top down; the slot media below the CPU by level.
+        self.media: dict[int, SlotMedium] = {
+            BELOW_CPU + i: m.store for i, m in enumerate(below)}
+        self.chain: tuple[int, ...] = tuple(range(BELOW_CPU + len(below)))
+        self.names = ("gpu", "cpu", *(m.name for m in below))
+        self.wire = (Tier.GPU, Tier.CPU, *(m.tier for m in below))
+        # The first level whose records survive a restart (the shutdown flush writes there).
+        self.record_level = next(
+            (BELOW_CPU + i for i, m in enumerate(below) if m.keeps_records), None)
+        self.level_evictions = [0] * len(self.chain)
+        # (level, page size) -> pages moving down out of a medium: room on its way there.
+        self.leaving: dict[tuple[int, int], int] = {}
         create_row_policy(config.policy)  # fail at start on an unknown name
-        # Below the GPU (whose policies are its pools'): a policy per tier and page size.
-        self.policies: dict[Tier, dict[int, RowPolicy]] = {t: {} for t in self.chain[1:]}
+        # Below the GPU (whose policies are its pools'): a policy per level and page size.
+        self.policies: dict[int, dict[int, RowPolicy]] = {t: {} for t in self.chain[1:]}
         self.admission = create_admission(config.disk_admission)
         self.closed = False
 
@@ -80,8 +95,8 @@ class Placement:
     def new_policy(self) -> RowPolicy:
         return create_row_policy(self.config.policy)
 
-    def policy_of(self, tier: Tier, pool: Pool | None, page_size: int) -> RowPolicy:
-        if tier is Tier.GPU:
+    def policy_of(self, tier: int, pool: Pool | None, page_size: int) -> RowPolicy:
+        if tier == Tier.GPU:
             assert pool is not None
             return pool.policy
         table = self.policies[tier]
@@ -94,8 +109,8 @@ class Placement:
         t = self.table
         return RowMeta(t.prio[rows], t.pos[rows], t.length[rows])
 
-    def groups(self, rows: np.ndarray) -> list[tuple[Tier, Pool | None, int, np.ndarray]]:
-        """``rows`` split by (tier, pool, page size), one part each, in first-seen order."""
+    def groups(self, rows: np.ndarray) -> list[tuple[int, Pool | None, int, np.ndarray]]:
+        """``rows`` split by (level, pool, page size), one part each, in first-seen order."""
         if not len(rows):
             return []
         t = self.table
@@ -106,43 +121,44 @@ class Placement:
             pool_id = (k >> _KEY_POOL) & ((1 << (_KEY_TIER - _KEY_POOL)) - 1)
             pool = self.pools.get(PoolId(pool_id)) if pool_id else None
             part = rows if len(pos) == len(rows) else rows[pos]
-            out.append((Tier(k >> _KEY_TIER), pool, k & ((1 << _KEY_POOL) - 1), part))
+            out.append((k >> _KEY_TIER, pool, k & ((1 << _KEY_POOL) - 1), part))
         return out
 
     # -- settled pages -----------------------------------------------------------------------
-    def settle(self, rows: np.ndarray, tier: Tier, slots: np.ndarray, pool: Pool | None) -> None:
-        """Make ``tier``/``slots`` the pages' home and let the tier's policy track them."""
+    def settle(self, rows: np.ndarray, tier: int, slots: np.ndarray, pool: Pool | None) -> None:
+        """Make level ``tier``/``slots`` the pages' home and let its policy track them."""
         t = self.table
         t.settle(rows, tier, slots)
-        if tier is Tier.GPU:
+        if tier == Tier.GPU:
             assert pool is not None
             pool.slot_rows[slots] = rows
         size = int(t.size[rows[0]])
-        self.ledger.settled[tier] += self.ledger.per_owner(t.owner[rows], size)
+        self.ledger.settled[self.wire[tier]] += self.ledger.per_owner(t.owner[rows], size)
         policy = self.policy_of(tier, pool, size)
         policy.insert(rows, self.meta(rows) if policy.uses_meta else NO_META)
 
-    def unsettle(self, rows: np.ndarray, tier: Tier, pool: Pool | None, page_size: int) -> None:
-        """The pages' bytes are about to leave (or be freed from) their current tier."""
+    def unsettle(self, rows: np.ndarray, tier: int, pool: Pool | None, page_size: int) -> None:
+        """The pages' bytes are about to leave (or be freed from) their current level."""
         self.policy_of(tier, pool, page_size).remove(rows)
-        self.ledger.settled[tier] -= self.ledger.per_owner(self.table.owner[rows], page_size)
-        if tier is Tier.GPU:
+        owners = self.table.owner[rows]
+        self.ledger.settled[self.wire[tier]] -= self.ledger.per_owner(owners, page_size)
+        if tier == Tier.GPU:
             assert pool is not None
             pool.slot_rows[self.table.slot[rows]] = -1
 
-    def free_slots(self, tier: Tier, page_size: int, slots: np.ndarray, pool: Pool | None) -> None:
+    def free_slots(self, tier: int, page_size: int, slots: np.ndarray, pool: Pool | None) -> None:
         if not len(slots):
             return
-        if tier is Tier.GPU:
+        if tier == Tier.GPU:
             assert pool is not None
             pool.dev.give(slots)
-        elif tier is Tier.CPU:
+        elif tier == Tier.CPU:
             self.host.free_array(page_size, slots)
         else:
             medium = self.media[tier]
             listed = slots.tolist()
             for slot in listed:
-                medium.clear_record(page_size, DiskSlot(slot))
+                medium.clear_record(page_size, MediumSlot(slot))
             medium.free(page_size, listed)
 
     def release(self, rows: np.ndarray) -> None:
@@ -172,12 +188,13 @@ class Placement:
         self.ledger.drop(reason, t.owner[rows])
         if self.events.active:
             for page_id, tier, pool_id in zip(t.ids(rows).tolist(), tiers, pools, strict=True):
-                self.events.publish(Event("dropped", pool_id or None, page_id, Tier(tier), None))
+                self.events.publish(Event("dropped", pool_id or None, page_id, self.wire[tier],
+                                          None))
         t.remove(rows[t.pool[rows] == 0])
 
-    def set_disk_records(self, rows: np.ndarray, page_size: int, tier: Tier = Tier.DISK) -> None:
-        """Keyed pages that reached a slot medium: their records make them findable after a
-        restart."""
+    def set_records(self, rows: np.ndarray, page_size: int, tier: int) -> None:
+        """Keyed pages that reached the slot medium at level ``tier``: their records make them
+        findable after a restart (a medium that keeps none ignores them)."""
         medium = self.media.get(tier)
         if medium is None:
             return
@@ -185,9 +202,23 @@ class Placement:
         for row, slot in zip(rows.tolist(), t.slot[rows].tolist(), strict=True):
             key = t.key_of.get(row)
             if key is not None:
-                record = DiskRecord(key=key, tenant=t.tenant_of[row])
-                medium.set_record(page_size, DiskSlot(slot), record)
+                record = SlotRecord(key=key, tenant=t.tenant_of[row])
+                medium.set_record(page_size, MediumSlot(slot), record)
         medium.write_records()  # before any lookup can answer DISK for these keys
+
+    def leave(self, tier: int, page_size: int, n: int) -> None:
+        """``n`` more (or, negative, fewer) pages moving down out of the medium at ``tier``."""
+        key = (tier, page_size)
+        self.leaving[key] = self.leaving.get(key, 0) + n
+
+    def media_stats(self) -> tuple[MediumStats, ...]:
+        """Each medium below the CPU, top down: bytes, pages settled there, evictions."""
+        counts = self.table.tier_counts(tiers=len(self.chain)).tolist()
+        return tuple(
+            MediumStats(self.names[level], level, self.wire[level], m.used_bytes,
+                        m.capacity_bytes, counts[level], self.level_evictions[level])
+            for level, m in self.media.items()
+        )
 
     # -- pins --------------------------------------------------------------------------------
     def pin(self, pool: Pool, rows: np.ndarray, times: np.ndarray | int = 1) -> None:

@@ -12,7 +12,7 @@ Contract:
       below (``add``, ``settle``, ``mark_moving``, ``mark_incoming``, ``mark_dropped``,
       ``doom``, ``pin``/``unpin``, ``await_landing``/``withdraw_wait``/``land``,
       ``guard``/``unguard``, ``hit``, ``set_priority``, ``set_ready``, ``remove``); other
-      modules read the columns and ask the queries (``at``, ``settled``, ``moving``,
+      modules read the columns and ask the queries (``at``, ``below_cpu``, ``settled``, ``moving``,
       ``moving_down``, ``moving_up``, ``dropped``, ``page_state``, ``tier_counts``).
     * ``pins`` > 0 means an engine is using the page on the GPU: it never moves or is evicted.
       ``waiting`` counts acquires waiting for the page to reach the GPU: the completion that lands
@@ -37,7 +37,7 @@ import numpy as np
 
 from kvtier.errors import NotFound
 from kvtier.tiers.runs import strictly_ascending
-from kvtier.types import PageId, PageState, PoolId, Tier
+from kvtier.types import BELOW_CPU, PageId, PageState, PoolId
 
 # State codes, private: a page settled in tier ``k`` (any tier of the chain) has code
 # ``_S_HOME + k``, so "settled in tier k" and "settled anywhere" are one comparison each.
@@ -45,7 +45,7 @@ _S_NONE, _S_DOWN, _S_UP, _S_DROPPED = range(4)
 _S_HOME = 8
 _MOVING_NAMES = {_S_DOWN: PageState.MOVING_DOWN, _S_UP: PageState.MOVING_UP,
                  _S_DROPPED: PageState.DROPPED}
-_HOME_NAMES = {Tier.GPU: PageState.GPU, Tier.CPU: PageState.CPU, Tier.DISK: PageState.DISK}
+_HOME_NAMES = (PageState.GPU, PageState.CPU)  # by level; every level below the CPU: DISK
 ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
 EMPTY = np.empty(0, dtype=np.int64)
@@ -224,8 +224,9 @@ class PageTable:
         self.owner[rows] = owner
         return rows
 
-    def settle(self, rows: np.ndarray, tier: Tier, slots: np.ndarray) -> None:
-        """``tier``/``slots`` are the pages' home; any move of theirs has ended."""
+    def settle(self, rows: np.ndarray, tier: int, slots: np.ndarray) -> None:
+        """``tier`` (a level of the chain, ``kvtier.types.BELOW_CPU``) and ``slots`` are the
+        pages' home; any move of theirs has ended."""
         self.state[rows], self.tier[rows], self.slot[rows] = _S_HOME + tier, tier, slots
         self.move[rows] = 0
 
@@ -235,7 +236,7 @@ class PageTable:
         self.move[rows] = batch
         self.state[rows] = _S_UP if up else _S_DOWN
 
-    def mark_incoming(self, rows: np.ndarray, tier: Tier, slots: np.ndarray) -> None:
+    def mark_incoming(self, rows: np.ndarray, tier: int, slots: np.ndarray) -> None:
         """New pages whose bytes are being copied into ``tier``/``slots`` (a store in flight):
         moving down, not yet readable; ``settle`` ends it, ``remove`` forgets a failed one."""
         self.state[rows], self.tier[rows], self.slot[rows] = _S_DOWN, tier, slots
@@ -305,7 +306,8 @@ class PageTable:
         code = int(self.state[row])
         assert code != _S_NONE, f"row {row} holds no page"
         if code >= _S_HOME:
-            return _HOME_NAMES[Tier(code - _S_HOME)]
+            level = code - _S_HOME
+            return _HOME_NAMES[level] if level < BELOW_CPU else PageState.DISK
         return _MOVING_NAMES[code]
 
     def keyed(self, key: bytes) -> int | None:
@@ -320,9 +322,13 @@ class PageTable:
         live = self.state[: self._high] != _S_NONE
         return np.flatnonzero(live & (self.pool[: self._high] == pool_id)).astype(np.int64)
 
-    def at(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
-        """Mask: settled in ``tier``."""
+    def at(self, rows: np.ndarray, tier: int) -> np.ndarray:
+        """Mask: settled in ``tier`` (a level of the chain)."""
         return self.state[rows] == _S_HOME + tier
+
+    def below_cpu(self, rows: np.ndarray) -> np.ndarray:
+        """Mask: settled in a medium below the CPU (any level from ``BELOW_CPU`` on)."""
+        return self.state[rows] >= _S_HOME + BELOW_CPU
 
     def settled(self, rows: np.ndarray) -> np.ndarray:
         """Mask: settled in some tier (not moving, not dropped)."""
@@ -346,11 +352,12 @@ class PageTable:
         return np.flatnonzero(self.state[: self._high] != _S_NONE).astype(np.int64)
 
     def tier_counts(self, rows: np.ndarray | None = None, tiers: int = 3) -> np.ndarray:
-        """Pages settled in each of the first ``tiers`` tiers (GPU, CPU, DISK, ...), of
-        ``rows`` or of the whole table."""
+        """Pages settled in each of the first ``tiers`` levels (GPU, CPU, the media below),
+        of ``rows`` or of the whole table; the last counts every level from it on (``tiers=3``:
+        per wire tier, every medium below the CPU as DISK)."""
         states = self.state[: self._high] if rows is None else self.state[rows]
         home = states[states >= _S_HOME].astype(np.int64) - _S_HOME
-        return np.bincount(home, minlength=tiers)[:tiers]
+        return np.bincount(np.minimum(home, tiers - 1), minlength=tiers)[:tiers]
 
 
 def _column(n: int, dtype: Any) -> np.ndarray:

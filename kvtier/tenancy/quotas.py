@@ -159,9 +159,14 @@ class TenantLedger:
 
     # -- counters ---------------------------------------------------------------------------------
     def count_moved(self, direction: Direction, owners: np.ndarray, page_size: int) -> None:
+        """Per wire direction (``Direction.wire``: a restore from any medium below the CPU is
+        DISK_TO_CPU); a move between two media below the CPU is counted daemon-wide only."""
+        wire = direction.wire
+        if wire is None:
+            return
         pages = self.per_owner(owners)
-        self.moved_pages[DIRECTIONS[direction]] += pages
-        self.moved_bytes[DIRECTIONS[direction]] += pages * page_size
+        self.moved_pages[DIRECTIONS[wire]] += pages
+        self.moved_bytes[DIRECTIONS[wire]] += pages * page_size
 
     def drop(self, reason: str, owners: np.ndarray) -> None:
         arr = self.drops.get(reason)

@@ -52,7 +52,7 @@ def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:
     caps = (
         sum(p.num_slots * p.page_size for p in pools),
         core.host.capacity_bytes,
-        core.disk.capacity_bytes if core.disk else 0,
+        sum(m.capacity_bytes for m in core.media.values()),  # every medium below the CPU
     )
     tiers = []
     for tier in (Tier.GPU, Tier.CPU, Tier.DISK):  # page homes; the remote tier: StatsReply.remote

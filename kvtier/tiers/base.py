@@ -55,7 +55,9 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 HostSlot = NewType("HostSlot", int)
-DiskSlot = NewType("DiskSlot", int)
+MediumSlot = NewType("MediumSlot", int)
+"""A slot of a medium below the CPU (``tiers/medium.py``); the disk store's are ``DiskSlot``."""
+DiskSlot = MediumSlot
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,13 +73,17 @@ class PoolHandle:
 
 
 @dataclass(slots=True)
-class DiskRecord:
-    """Persisted with a disk slot so a restarted daemon finds keyed pages again."""
+class SlotRecord:
+    """Persisted with a medium's slot so a restarted daemon finds keyed pages again (the disk
+    store's journal: ``DiskRecord``)."""
 
     key: bytes
     tenant: str
     checksum: int = 0
     meta: dict[str, int] = field(default_factory=dict)
+
+
+DiskRecord = SlotRecord
 
 
 @dataclass(slots=True)

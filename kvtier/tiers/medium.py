@@ -2,11 +2,13 @@
 
 The tier chain (``OffloadConfig.tier_chain``, ``KVCACHED_OFFLOAD_TIER_CHAIN``) names the media a
 page walks down: ``gpu`` (``DevicePool``, one per attached pool), ``cpu`` (``HostArena``, shared)
-and, below the CPU, one *slot medium* opened by name from ``kvtier.tiers.registry`` (``disk``:
-``DiskStore``). The engine reaches that medium only through this interface; the transfer
-handlers registered for (``cpu``, name) and (name, ``cpu``) (``kvtier.transfer.registry``) copy
-its bytes. Adding a medium: a class implementing ``SlotMedium`` (one file), its two handlers (one
-file), ``register_medium`` and ``register_route`` calls (the registry lines).
+and, below the CPU, any number of *slot media*, each opened by name from
+``kvtier.tiers.registry`` (``disk``: ``DiskStore``) and reporting the wire ``Tier`` it was
+registered with. The engine reaches them only through this interface; the transfer handlers
+registered for (``cpu``, name), (name, ``cpu``) and, optionally, (name, next name)
+(``kvtier.transfer.registry``) copy their bytes. Adding a medium: a class implementing
+``SlotMedium`` (one file), its handlers (one file), ``register_medium`` and ``register_route``
+calls (the registry lines).
 
 ``SlotMedium`` primitives and their contracts:
     * ``capacity_bytes`` / ``used_bytes``: the budget, and the bytes of slots in use.
@@ -30,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from kvtier.tiers.base import DiskRecord, DiskSlot, TierCounters
+from kvtier.tiers.base import MediumSlot, SlotRecord, TierCounters
 
 
 class SlotMedium(Protocol):
@@ -44,7 +46,7 @@ class SlotMedium(Protocol):
     @property
     def used_bytes(self) -> int: ...
 
-    def alloc(self, page_size: int, n: int) -> list[DiskSlot] | None: ...
+    def alloc(self, page_size: int, n: int) -> list[MediumSlot] | None: ...
 
     def free(self, page_size: int, slots: Sequence[int]) -> None: ...
 
@@ -56,13 +58,13 @@ class SlotMedium(Protocol):
         self, page_size: int, slots: Sequence[int], dsts: Sequence[torch.Tensor]
     ) -> Future[list[bool]]: ...
 
-    def set_record(self, page_size: int, slot: DiskSlot, record: DiskRecord) -> None: ...
+    def set_record(self, page_size: int, slot: MediumSlot, record: SlotRecord) -> None: ...
 
-    def clear_record(self, page_size: int, slot: DiskSlot) -> None: ...
+    def clear_record(self, page_size: int, slot: MediumSlot) -> None: ...
 
     def write_records(self) -> None: ...
 
-    def records(self) -> list[tuple[int, DiskSlot, DiskRecord]]: ...
+    def records(self) -> list[tuple[int, MediumSlot, SlotRecord]]: ...
 
     def persist(self) -> None: ...
 
@@ -72,16 +74,16 @@ class SlotMedium(Protocol):
 class NoRecords:
     """The record primitives of a medium that keeps nothing across restarts."""
 
-    def set_record(self, page_size: int, slot: DiskSlot, record: DiskRecord) -> None:
+    def set_record(self, page_size: int, slot: MediumSlot, record: SlotRecord) -> None:
         pass
 
-    def clear_record(self, page_size: int, slot: DiskSlot) -> None:
+    def clear_record(self, page_size: int, slot: MediumSlot) -> None:
         pass
 
     def write_records(self) -> None:
         pass
 
-    def records(self) -> list[tuple[int, DiskSlot, DiskRecord]]:
+    def records(self) -> list[tuple[int, MediumSlot, SlotRecord]]:
         return []
 
     def persist(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,13 +22,14 @@ __all__ = ["Moves", "TransferHandler", "build_handlers", "build_inline_restore"]
 def build_handlers(
     device: torch.device,
     host: HostArena,
-    lower: SlotMedium | None,
+    media: Sequence[tuple[str, SlotMedium]],
     staging_bytes: int,
-    lower_name: str = "disk",
+    flush_to: int | None = None,
 ) -> dict[Direction, TransferHandler]:
-    """The registered handler of each direction: GPU<->CPU for ``device``, CPU<->``lower``
-    (the chain's medium below the CPU, named ``lower_name``) when there is one."""
-    return _build(RouteContext(device, host, lower, staging_bytes), lower_name)
+    """The registered handler of each move along the chain: GPU<->CPU for ``device``, and
+    between the CPU and the slot ``media`` below it (``(name, medium)``, top down; see
+    ``registry.build_handlers``)."""
+    return _build(RouteContext(device, host, None, None, staging_bytes), media, flush_to)
 
 
 def build_inline_restore(

@@ -1,134 +1,23 @@
 """Adding a medium is one tier file, one handler file and the registry lines: a dict-backed
-medium (what a remote page store would start from), named in the tier chain below the CPU,
+medium (``tests/tiers/dict_medium.py``: what a remote page store would start from), named in
+the tier chain below the CPU (one or two levels deep),
 takes the pages the CPU tier has no room for and gives them back, bytes exact, through the
 whole engine (offload, cascade, restore, acquire), on a lane its handlers name."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
-
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from kvtier import PageState, Tier
-from kvtier.config import OffloadConfig
+from kvtier.engine import TierEngine
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import DiskSlot, TierCounters
-from kvtier.tiers.medium import NoRecords
-from kvtier.tiers.pinned import HostArena
-from kvtier.tiers.registry import register_medium
-from kvtier.transfer.base import Moves, TransferHandler
-from kvtier.transfer.registry import RouteContext, register_route
+from kvtier.metrics import DaemonMetrics
 from kvtier.types import Direction
-from tests.conftest import PAGE
+from tests.conftest import PAGE, small_config
 from tests.engine.test_engine import fill, verify
-
-
-# -- the tier file -----------------------------------------------------------------------------
-class DictMedium(NoRecords):
-    """Pages as ``bytes`` in a dict, by (page size, slot), within a byte budget."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.counters = TierCounters()
-        self.budget = budget_bytes
-        self.pages: dict[tuple[int, int], bytes] = {}
-        self._used: dict[int, set[int]] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.budget
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(len(s) * size for size, s in self._used.items())
-
-    def alloc(self, page_size: int, n: int) -> list[DiskSlot] | None:
-        with self._lock:
-            if self.used_bytes + n * page_size > self.budget:
-                return None
-            used = self._used.setdefault(page_size, set())
-            free = (s for s in range(self.budget // page_size) if s not in used)
-            out = [next(free) for _ in range(n)]
-            used.update(out)
-            return [DiskSlot(s) for s in out]
-
-    def free(self, page_size: int, slots: Sequence[int]) -> None:
-        with self._lock:
-            for s in slots:
-                self._used[page_size].remove(int(s))
-                self.pages.pop((page_size, int(s)), None)
-
-    def write(
-        self, page_size: int, slots: Sequence[int], srcs: Sequence[torch.Tensor]
-    ) -> Future[list[bool]]:
-        for s, src in zip(slots, srcs, strict=True):
-            self.pages[(page_size, int(s))] = src.numpy().tobytes()
-        self.counters.bytes_written += len(slots) * page_size
-        return _done([True] * len(slots))
-
-    def read(
-        self, page_size: int, slots: Sequence[int], dsts: Sequence[torch.Tensor]
-    ) -> Future[list[bool]]:
-        ok = []
-        for s, dst in zip(slots, dsts, strict=True):
-            data = self.pages.get((page_size, int(s)))
-            if data is not None:
-                dst.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            ok.append(data is not None)
-        self.counters.bytes_read += sum(ok) * page_size
-        return _done(ok)
-
-    def close(self) -> None:
-        self.pages.clear()
-
-
-def _done(results: list[bool]) -> Future[list[bool]]:
-    future: Future[list[bool]] = Future()
-    future.set_result(results)
-    return future
-
-
-# -- the handler file --------------------------------------------------------------------------
-class DictWrite(TransferHandler):
-    direction = Direction.CPU_TO_DISK
-    lane = "dict"  # its own lane, beside up, down and disk
-
-    def __init__(self, host: HostArena, medium: DictMedium) -> None:
-        self._host, self._medium = host, medium
-
-    def run(self, batch: Moves) -> list[bool]:
-        rows = self._host.rows(batch.page_size, batch.srcs.tolist())
-        return self._medium.write(batch.page_size, batch.dsts.tolist(), rows).result()
-
-
-class DictRead(DictWrite):
-    direction = Direction.DISK_TO_CPU
-
-    def run(self, batch: Moves) -> list[bool]:
-        rows = self._host.rows(batch.page_size, batch.dsts.tolist())
-        return self._medium.read(batch.page_size, batch.srcs.tolist(), rows).result()
-
-
-# -- the registry lines ------------------------------------------------------------------------
-OPENED: list[DictMedium] = []
-
-
-def _open(config: OffloadConfig) -> DictMedium:
-    OPENED.append(DictMedium(64 * config.page_size))
-    return OPENED[-1]
-
-
-def _medium(ctx: RouteContext) -> DictMedium:
-    assert isinstance(ctx.lower, DictMedium)
-    return ctx.lower
-
-
-register_medium("dict", _open)
-register_route("cpu", "dict", lambda ctx: DictWrite(ctx.host, _medium(ctx)))
-register_route("dict", "cpu", lambda ctx: DictRead(ctx.host, _medium(ctx)))
+from tests.tiers.dict_medium import OPENED
 
 
 def test_pages_go_down_to_a_dict_medium_and_come_back_exact(make_engine):
@@ -168,7 +57,7 @@ def test_an_unknown_medium_in_the_chain_is_a_config_error_naming_the_variable(ma
 def test_a_chain_ending_at_the_cpu_drops_what_the_cpu_cannot_hold(make_engine):
     engine = make_engine(tier_chain=("gpu", "cpu"), cpu_memory_gb=8 * PAGE / 2**30,
                          disk_admission="always")  # a disk budget, but not in the chain
-    assert engine._core.disk is None
+    assert not engine._core.media
     pool = engine.attach("t", 4)
     for _ in range(6):
         got = engine.allocate(pool.pool_id, 4)
@@ -176,3 +65,125 @@ def test_a_chain_ending_at_the_cpu_drops_what_the_cpu_cannot_hold(make_engine):
         engine.release(pool.pool_id, [p for p, _ in got])
     assert engine.wait_idle(10)
     assert engine.stats().counters.drops.get("cpu_full", 0) > 0
+
+
+def _allocate(engine, pool, rounds: int) -> list[int]:
+    ids = []
+    for _ in range(rounds):
+        got = engine.allocate(pool.pool_id, 4)
+        assert got is not None
+        ids += [p for p, _ in got]
+        engine.release(pool.pool_id, [p for p, _ in got])
+    return ids
+
+
+def _levels(engine, pool, ids: list[int]) -> dict[int, int]:
+    """Page id -> chain level of the pages settled below the CPU."""
+    t = engine._core.table
+    return {p: int(t.tier[t.row(pool.pool_id, p)]) for p in ids
+            if engine.page_info(pool.pool_id, p).state is PageState.DISK}
+
+
+def _check_one_state_each(engine, pool, ids: list[int]) -> None:
+    """Every page in exactly one state, every level within its budget, counts agree, and no
+    move down out of a medium is still counted as under way."""
+    assert not any(engine._core.leaving.values())
+    states = [engine.page_info(pool.pool_id, p).state for p in ids]
+    assert PageState.MOVING_UP not in states and PageState.MOVING_DOWN not in states
+    s = engine.stats()
+    for m in s.media:
+        assert m.used_bytes == m.pages * PAGE <= m.capacity_bytes
+    below = sum(m.pages for m in s.media)
+    assert states.count(PageState.DISK) == below == s.tiers[Tier.DISK].pages
+    assert s.tiers[Tier.DISK].used_bytes == sum(m.used_bytes for m in s.media)
+    assert states.count(PageState.CPU) == s.tiers[Tier.CPU].pages
+
+
+@pytest.mark.parametrize("last", ["dictb", "disk"])
+def test_a_chain_of_two_media_demotes_through_both_restores_from_each_and_drops_at_its_end(
+    make_engine, last
+):
+    engine = make_engine(
+        disk=last == "disk",
+        tier_chain=("gpu", "cpu", "dicta", last),
+        cpu_memory_gb=8 * PAGE / 2**30,
+        disk_gb=8 * PAGE / 2**30 if last == "disk" else 0.0,
+        disk_admission="always",
+        threshold=1.0,  # no background offload: idle means no page moves
+    )
+    first = OPENED[-1] if last == "disk" else OPENED[-2]
+    s = engine.stats()
+    assert [(m.name, m.level, m.tier) for m in s.media] == [
+        ("dicta", 2, Tier.DISK), (last, 3, Tier.DISK)]
+    pool = engine.attach("t", 4)
+    # 24 pages through a 4-slot GPU, an 8-page CPU tier and two 8-page media: nothing dropped.
+    ids = _allocate(engine, pool, 6)
+    expected = fill(engine, pool, ids, seed=5)
+    assert engine.wait_idle(10)
+    levels = _levels(engine, pool, ids)
+    assert set(levels.values()) == {2, 3}  # pages on both levels below the CPU
+    assert len(first.pages) == list(levels.values()).count(2)  # the bytes are in the dict
+    moved = engine.stats().counters.moved
+    assert moved[Direction((2, 3))].pages >= list(levels.values()).count(3)  # medium -> medium
+    _check_one_state_each(engine, pool, ids)
+    scraped = generate_latest(DaemonMetrics(engine, "test").registry).decode()
+    for m in engine.stats().media:  # per medium on /metrics too
+        assert f'kvtier_medium_pages{{medium="{m.name}"}} {float(m.pages)}' in scraped
+        assert f'kvtier_medium_used_bytes{{medium="{m.name}"}} {float(m.used_bytes)}' in scraped
+    for level, up in ((2, Direction.DISK_TO_CPU), (3, Direction((3, 1)))):
+        page = next(p for p, at in levels.items() if at == level and _levels(engine, pool, [p]))
+        counted = engine.stats().counters.moved.get(up)
+        before = counted.pages if counted else 0
+        verify(engine, pool, {page: expected[page]})  # read straight up from that level
+        assert engine.stats().counters.moved[up].pages >= 1 + before
+    verify(engine, pool, expected)  # every page read back, from whichever level held it
+    assert not engine.stats().counters.drops
+    # 12 more: 36 pages in 28 slots. The last medium's victims are dropped, nothing above it.
+    more = _allocate(engine, pool, 3)
+    assert engine.wait_idle(10)
+    states = [engine.page_info(pool.pool_id, p).state for p in ids + more]
+    # At least the 8 that do not fit (more while room made below is still in flight), all of
+    # them victims of the last level.
+    dropped = states.count(PageState.DROPPED)
+    assert dropped >= 8 and engine.stats().counters.drops == {"disk_full": dropped}
+    assert engine.stats().media[1].evictions >= dropped
+    alive = [p for p, st in zip(ids + more, states, strict=True) if st is not PageState.DROPPED]
+    _check_one_state_each(engine, pool, alive)
+    # Room again (a full chain drops at its end to restore a page): the survivors read exact.
+    engine.free(pool.pool_id, [p for p in ids + more if p not in expected or p not in alive])
+    verify(engine, pool, {p: expected[p] for p in alive if p in expected})
+
+
+def test_bad_chains_are_config_errors_naming_the_variable(make_engine):
+    for chain in (("gpu", "cpu", "dicta", "dicta"), ("cpu", "gpu", "dicta"), ("gpu", "dicta")):
+        with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_TIER_CHAIN"):
+            make_engine(disk=False, tier_chain=chain)
+    with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_TIER_CHAIN.*'nowhere'"):
+        make_engine(disk=False, tier_chain=("gpu", "cpu", "dicta", "nowhere"))
+
+
+def test_keyed_pages_on_the_disk_below_another_medium_survive_a_restart(tmp_path):
+    from tests.prefix.test_flush import loaded, stored
+
+    def engine_on_disk():
+        return TierEngine(small_config(
+            tmp_path, tier_chain=("gpu", "cpu", "dicta", "disk"),
+            cpu_memory_gb=8 * PAGE / 2**30, disk_admission="always", threshold=1.0))
+
+    engine = engine_on_disk()
+    keys, data = stored(engine, 24)  # 8 stay in the CPU tier, 8 in the dict, the rest on disk
+    assert engine.wait_idle(10)
+    assert [m.pages for m in engine.stats().media] == [8, 8]
+    engine.close(grace=5)
+    again = engine_on_disk()
+    try:
+        s = again.stats()
+        # The dict keeps nothing; the disk keeps its 8 and the CPU's 8, which the shutdown flush
+        # wrote straight to it (the first medium whose records survive), past the dict.
+        assert [(m.name, m.pages) for m in s.media] == [("dicta", 0), ("disk", 16)]
+        found = [i for i, k in enumerate(keys) if again.lookup("t", [k]) == [Tier.DISK]]
+        assert found == [*range(8), *range(16, 24)]  # oldest (pushed down) and newest (flushed)
+        for i in found:
+            assert torch.equal(loaded(again, [keys[i]])[0], data[i])
+    finally:
+        again.close(grace=5)

@@ -1,4 +1,5 @@
-"""Random allocate/write/pin/offload/spill/restore/free sequences under pressure vs a dict model.
+"""Random allocate/write/pin/offload/spill/restore/free sequences under pressure vs a dict model,
+on the default chain and on one with two media below the CPU.
 
 Invariants after every step: every restored byte equals what was written; no page is lost or
 duplicated (each model page is in exactly one state and slots are not shared); budgets are never
@@ -18,11 +19,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier import PageState, TierEngine
 from kvtier.types import Tier
 from tests.conftest import PAGE, small_config
+from tests.tiers import dict_medium  # noqa: F401 - registers the dict media
 
 SLOTS, CPU_PAGES, DISK_PAGES = 4, 6, 64
 
 
 class EngineMachine(RuleBasedStateMachine):
+    CHAIN = ("gpu", "cpu", "disk")
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
@@ -32,6 +36,7 @@ class EngineMachine(RuleBasedStateMachine):
             disk_gb=DISK_PAGES * PAGE / 2**30,
             disk_admission="always",
             policy="lru",
+            tier_chain=self.CHAIN,
         )
         self.engine = TierEngine(cfg)
         self.pool = self.engine.attach("t", SLOTS)
@@ -103,6 +108,8 @@ class EngineMachine(RuleBasedStateMachine):
         stats = self.engine.stats()
         _gpu, cpu, disk = stats.tiers
         assert cpu.used_bytes <= CPU_PAGES * PAGE and disk.used_bytes <= DISK_PAGES * PAGE
+        assert all(m.used_bytes <= m.capacity_bytes for m in stats.media)
+        assert disk.pages == sum(m.pages for m in stats.media)
         states = [self.engine.page_info(self.pool.pool_id, p) for p in self.model]
         assert all(s.state is not PageState.DROPPED for s in states), "no page may be lost"
         resident = [s for s in states if s.state is PageState.GPU]
@@ -120,6 +127,16 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
+
+
+class TwoLevelMachine(EngineMachine):
+    """The same, with two media below the CPU: an 8-page dict medium, then the disk store."""
+
+    CHAIN = ("gpu", "cpu", "dicta", "disk")
+
+
+TwoLevelMachine.TestCase.settings = EngineMachine.TestCase.settings
+TestTwoLevelMachine = TwoLevelMachine.TestCase
 
 
 def test_model_bytes_survive_full_cycle(tmp_path: Path) -> None:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_daemon import embedded_daemon, pool_size
-from kvtier.bench_worker import EngineResult, Worker
-from kvtier.cli_status import (
+from kvtier.cli.bench_daemon import embedded_daemon, pool_size
+from kvtier.cli.bench_worker import EngineResult, Worker
+from kvtier.cli.status import (
     add_connection_flags,
     human_bytes,
     read_token,

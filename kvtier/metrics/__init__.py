@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.metrics_remote import REMOTE_METRIC_NAMES, remote_metrics
+from kvtier.metrics.remote import REMOTE_METRIC_NAMES, remote_metrics
 from kvtier.stats import EngineStats
 from kvtier.types import Direction, Tier
 
@@ -29,6 +29,8 @@ METRIC_NAMES = (
     "kvtier_inflight_bytes", "kvtier_evictions_total", "kvtier_drops_total",
     "kvtier_checksum_failures_total", "kvtier_hits_total", "kvtier_misses_total",
     "kvtier_attached_engines", "kvtier_pinned_pages", "kvtier_build_info",
+    "kvtier_medium_used_bytes", "kvtier_medium_capacity_bytes", "kvtier_medium_pages",
+    "kvtier_medium_evictions_total",
     *REMOTE_METRIC_NAMES,
 )
 
@@ -65,6 +67,7 @@ class EngineCollector(Collector):
         s: EngineStats = self._engine.stats()
         self._drain_restores()
         yield from self._tiers(s)
+        yield from self._media(s)
         yield from self._moves(s)
         yield from self._engine_totals(s)
         yield from remote_metrics(s.remote)
@@ -91,6 +94,25 @@ class EngineCollector(Collector):
             "Engine attachments: page pools created by Attach or Register and not yet detached.",
             value=s.pools)
         yield GaugeMetricFamily("kvtier_pinned_pages", "Pinned pages.", value=s.pinned_pages)
+
+    def _media(self, s: EngineStats) -> Iterator[Metric]:
+        """Each medium of the tier chain below the CPU, by its registered name (bounded: the
+        chain's own names)."""
+        lab = ["medium"]
+        used = GaugeMetricFamily("kvtier_medium_used_bytes",
+                                 "Bytes in use per medium below the CPU.", labels=lab)
+        cap = GaugeMetricFamily("kvtier_medium_capacity_bytes", "Budget per medium below the CPU.",
+                                labels=lab)
+        pages = GaugeMetricFamily("kvtier_medium_pages", "Pages resident per medium below the CPU.",
+                                  labels=lab)
+        ev = CounterMetricFamily("kvtier_medium_evictions_total",
+                                 "Pages pushed out of a medium below the CPU.", labels=lab)
+        for m in s.media:
+            used.add_metric([m.name], m.used_bytes)
+            cap.add_metric([m.name], m.capacity_bytes)
+            pages.add_metric([m.name], m.pages)
+            ev.add_metric([m.name], m.evictions)
+        yield from (used, cap, pages, ev)
 
     def _moves(self, s: EngineStats) -> Iterator[Metric]:
         lab = ["direction"]

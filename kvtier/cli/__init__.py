@@ -35,10 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvtier {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    from kvtier.cli_status import add_status_parser
+    from kvtier.cli.status import add_status_parser
 
     add_status_parser(sub)
-    from kvtier.cli_bench import add_bench_parser
+    from kvtier.cli.bench import add_bench_parser
 
     add_bench_parser(sub)
     return parser
@@ -79,7 +79,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)  # one line naming the setting
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
