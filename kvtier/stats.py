@@ -62,6 +62,13 @@ class DirectionCounters:
                 return slope, latency
         return self.avg_seconds / self.avg_bytes, 0.0
 
+    def cost_only(self) -> DirectionCounters:
+        """A copy with this direction's measured cost (``bytes_per_s``, ``latency_s``) and no
+        totals: what the shared lane can do, not how much went through it (a tenant's view)."""
+        return DirectionCounters(avg_bytes=self.avg_bytes, avg_seconds=self.avg_seconds,
+                                 avg_bytes2=self.avg_bytes2,
+                                 avg_bytes_seconds=self.avg_bytes_seconds)
+
     @property
     def bytes_per_s(self) -> float:
         slope = self._fit()[0]

@@ -7,8 +7,15 @@ Contract (both run with the engine lock held):
       and no free bytes: how full the daemon is belongs to the global view).
     * ``tenant_stats(core, tenant)`` is the tenant's own snapshot: its pools, its pages and bytes
       per tier (capacity: its quota, else the tier's size), its pinned and keyed pages, its
-      moves, hits, misses, evictions and drops. Queues, in-flight bytes, batch counts and
-      checksum failures are daemon-wide and read 0 here.
+      moves, hits, misses, evictions and drops, and each direction's measured cost
+      (``bytes_per_s``, ``latency_s``: the daemon's, as in the global view, even before the
+      tenant has anything). Queues, in-flight bytes, batch counts, busy seconds, failures and
+      checksum failures count every tenant's traffic and read 0 here.
+
+The measured cost is shown to every tenant because it describes the shared lanes, not anyone's
+use of them: a tenant can time its own moves to the same effect (timing is not protected, see
+docs/operations.md), and a cost-aware loader of a tenant needs it where it may not read the
+global view (credentials on).
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:
 
 
 def _counters(core: EngineCore, owner: int) -> EngineCounters:
-    c = EngineCounters()
+    c = EngineCounters(moved={d: m.cost_only() for d, m in core.counters.moved.items()})
     if not owner:
         return c
     ledger = core.ledger

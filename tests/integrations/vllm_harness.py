@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conftest import start_daemon, stop_daemon
+from integration_daemon import start_daemon, stop_daemon
 from vllm_forkserver import Child, ForkServer, env_key
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import start_daemon, stop_daemon
+from integration_daemon import start_daemon, stop_daemon
 from kvtier.client import connect
 from kvtier.client.block_mover import BlockTransfer
 from kvtier.client.block_rows import BlockRows, block_segments
