@@ -1,4 +1,6 @@
-"""A conversation's KV stored per layer group, restored group by group while the prefill runs.
+"""A conversation's KV stored per layer group, restored group by group while the prefill runs
+(experimental: exact, but on a lent H100 it reached 4.8x recompute at 7.8K tokens against 6.6x
+for the whole-prefix ``restore_into``; four engine loads a turn cost more than the overlap saves).
 
 A page of ``ConversationStore`` holds a block across all layers, so no layer of the prefill can
 start before the whole prefix has landed (restore, then prefill). :class:`LayerGroupStore` keeps

@@ -1,4 +1,9 @@
-"""A slow tier's load raced against recomputing the prompt: TTFT bounded by the recompute.
+"""A slow tier's load raced against recomputing the prompt (experimental).
+
+Exact, but not faster yet: on a lent H100 (2026-11-24, ``benchmarks/multiturn.py`` mode
+``kvtier-disk-race``) it was slower than the reference recompute in 45 of 64 turns: its own
+layer-by-layer recompute (with a host check per layer) and the load's thread cost more than the
+races it wins (17 of 47).
 
 A planner's costs come from past loads, so it can't see a slow disk read coming (a cold file, a
 busy device). :class:`RacedRestore` does not guess: it starts the load of the stored prefix on a
