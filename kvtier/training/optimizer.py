@@ -14,7 +14,9 @@ Contract:
       ``step_in_backward=True`` (default): a bucket's step starts as soon as its gradients have
       landed, during the backward, unless inside ``no_sync()`` (use it for every micro-batch of
       an accumulation but the last; a bucket that gets gradients again after its step started
-      raises :class:`FailedPrecondition`); clipping then needs ``step_in_backward=False``.
+      raises :class:`FailedPrecondition` — or, when that bucket's new weights were written
+      while the next forward held the old ones, autograd's own in-place error comes first;
+      either way that backward fails); clipping then needs ``step_in_backward=False``.
       Steps in backward assume that no backward work queued after a parameter's gradient is
       complete reads that parameter (true of autograd's own nodes, which read a weight in the
       node that produces its gradient; not of a use through ``.detach()``).
