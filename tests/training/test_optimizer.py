@@ -256,6 +256,6 @@ def test_accumulating_without_no_sync_after_early_steps_is_refused(
     # back while this forward held the old ones (a race with the worker) — by autograd's own
     # in-place check, which runs first; never a second step on accumulated gradients.
     with pytest.raises((FailedPrecondition, RuntimeError),
-                       match="no_sync|modified by an inplace operation"):
+                       match=r"no_sync|modified by an inplace operation"):
         model(tiny.batch(0, 1)).backward()
     opt.close()
