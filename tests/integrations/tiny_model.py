@@ -124,3 +124,19 @@ def build_tiny_lora(path: str | Path, shape: TinyShape = TinyShape(), *, seed: i
               "base_model_name_or_path": None}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    """``n`` token ids in ``[4, vocab)`` (past the special tokens), reproducible from ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+def next_token(model, ids: list[int]) -> int:  # model: a transformers causal LM
+    """The greedy next token after ``ids`` from a plain forward (no cache)."""
+    import torch
+
+    with torch.no_grad():
+        return int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax())

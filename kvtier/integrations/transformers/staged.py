@@ -62,13 +62,7 @@ class StagedPrefill(StaticPrefill):
     def first_token_staged(self, token_ids: list[int], start: int,
                            before: Callable[[int], None]) -> int:
         """Prefill ``token_ids[start:]`` stage by stage, ``before(g)`` ahead of stage ``g``."""
-        n = len(token_ids) - start
-        if not 0 <= start < len(token_ids):
-            raise ValueError(f"start: need 0 <= start < {len(token_ids)}, got {start}")
-        s, kv_len = self._shape(start, n)
-        if start + s > self.capacity:
-            raise ValueError(f"token_ids: {len(token_ids)} tokens (padded to {start + s}) "
-                             f"exceed the capacity of {self.capacity}")
+        n, s, kv_len = self._checked_shape(token_ids, start)
         st = self._staged_bucket(s, kv_len)
         st.ids.copy_(torch.tensor([[*token_ids[start:], *[0] * (s - n)]], dtype=torch.long))
         torch.arange(start, start + s, out=st.pos)

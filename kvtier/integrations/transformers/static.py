@@ -139,7 +139,9 @@ class StaticPrefill:
             return s, start + s
         return s, min(_round_up(start + s, self.kv_step), self.capacity)
 
-    def _run(self, token_ids: list[int], start: int, *, graph: bool) -> tuple[_Bucket, int]:
+    def _checked_shape(self, token_ids: list[int], start: int) -> tuple[int, int, int]:
+        """(tokens, padded suffix, attended positions) of a prefill of ``token_ids[start:]``;
+        ValueError naming the argument when it does not fit."""
         n = len(token_ids) - start
         if not 0 <= start < len(token_ids):
             raise ValueError(f"start: need 0 <= start < {len(token_ids)}, got {start}")
@@ -147,6 +149,10 @@ class StaticPrefill:
         if start + s > self.capacity:
             raise ValueError(f"token_ids: {len(token_ids)} tokens (padded to {start + s}) "
                              f"exceed the capacity of {self.capacity}")
+        return n, s, kv_len
+
+    def _run(self, token_ids: list[int], start: int, *, graph: bool) -> tuple[_Bucket, int]:
+        n, s, kv_len = self._checked_shape(token_ids, start)
         b = self._bucket(s, kv_len, graph=graph)
         b.ids.copy_(torch.tensor([[*token_ids[start:], *[0] * (s - n)]], dtype=torch.long))
         torch.arange(start, start + s, out=b.pos)  # in place, on the device

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_model import TinyShape, random_llama  # noqa: E402
+from tiny_model import TinyShape, next_token, random_llama, random_tokens  # noqa: E402
 
 from kvtier import OffloadConfig, Tier, TierEngine  # noqa: E402
 from kvtier.integrations.transformers.overlap import LayerGroupStore  # noqa: E402
@@ -54,13 +54,7 @@ def engine(tmp_path: Path) -> Iterator[TierEngine]:
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, SHAPE.vocab, (n,), generator=g).tolist()
-
-
-def next_token(model, ids: list[int]) -> int:
-    with torch.no_grad():
-        return int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
+    return random_tokens(n, seed, SHAPE.vocab)
 
 
 def setup(model, engine, kv_step=None,
