@@ -120,13 +120,12 @@ class Pair:
         assert sum(len(remote.fetch(salted[lo : lo + step], page)) for lo in range(0, n, step)) == n
         return t_write, time.perf_counter() - t0
 
-    def tune(self, fetch_threads: int, batch_mib: float, mac_threads: int) -> None:
-        """The fetch's knobs for the tuning sweep (threads, pipelined batch, blake3 threads)."""
+    def tune(self, fetch_threads: int, batch_mib: float) -> None:
+        """The fetch's knobs for the tuning sweep (threads, pipelined batch)."""
         for engine in (self.a, self.b):
             remote = engine.prefix._core.remote
             remote._fetchers.shutdown(wait=True)
             remote._fetchers = ThreadPoolExecutor(fetch_threads, "kvtier-remote-fetch")
-            remote.framer.mac_threads = mac_threads
         remote_mod.GET_BATCH_BYTES = int(batch_mib * MIB)
         remote_mod.FETCH_THREADS = fetch_threads
 
@@ -170,7 +169,7 @@ def main() -> None:
     ap.add_argument("--write-threads", type=int, default=0,
                     help="write-behind threads of the engines (default: the tier's own)")
     ap.add_argument("--tune", nargs="*", default=[],
-                    help="fetch settings to compare after the rounds: threads:batch_mib:mac_threads")
+                    help="fetch settings to compare after the rounds: threads:batch_mib")
     args = ap.parse_args()
     if args.write_threads:
         remote_mod.WRITE_THREADS = args.write_threads
@@ -221,9 +220,9 @@ def main() -> None:
 def sweep_point(pair: Pair, r: redis.Redis, values: list[bytes], batch: int, point: str,
                 rounds: int) -> dict:
     """Remote fetch ÷ raw GET (each round measures both) with the fetch's knobs set to
-    ``point`` = "threads:batch_mib:mac_threads" (mac_threads -1: blake3 on every core)."""
-    threads, batch_mib, mac = point.split(":")
-    pair.tune(int(threads), float(batch_mib), int(mac))
+    ``point`` = "threads:batch_mib"."""
+    threads, batch_mib = point.split(":")
+    pair.tune(int(threads), float(batch_mib))
     raws, fetches = [], []
     for k in range(rounds):
         raws.append(raw_round(r, values, batch)[1])

@@ -41,7 +41,7 @@ GET_BATCH_BYTES = 4 * MIB  # payload bytes fetched per pipelined batch
 MAX_FETCH_BYTES = 256 * MIB  # payload bytes one fetch (one Load) brings at most
 # Batches read and checked at once, each on its own connection. One: on a 16-core H100 host
 # (redis-py 8.1 + hiredis, 256 KiB values) 1 thread fetched 1.00 GB/s, 3 or 6 threads 0.85
-# (the threads' reply parsing contends for the interpreter lock); blake3 on every core 0.75-0.85.
+# (the threads' reply parsing contends for the interpreter lock).
 FETCH_THREADS = 1
 WRITE_THREADS = 2  # write-behind threads: one frames a batch while another sends one
 

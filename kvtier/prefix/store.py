@@ -311,9 +311,10 @@ class PrefixStore:
         with core.cond:
             pool = self._pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
-            start = len(self._prefix(pool, [salt_key(pool.tenant, k) for k in keys]))
+            every = [salt_key(pool.tenant, k) for k in keys]
+            start = len(self._prefix(pool, every))
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-            salted = [salt_key(pool.tenant, k) for k in keys[start : start + window]]
+            salted = every[start : start + window]
         if not salted:
             return None
         stager = Stager(core, pool.tenant, pool.page_size)  # copies each batch as it arrives

@@ -31,17 +31,13 @@ VERSION = 1
 KEY_PREFIX = b"kvtier:"
 _HEAD = struct.Struct("<4sBB2xQ")  # magic, version, salted key length, payload length
 _MAC_BYTES = 32
-# blake3 hashes one value on this many threads (-1: as many as the host has) when it holds at
-# least MAC_THREADED_BYTES; 1 keeps every MAC on its caller's thread.
-MAC_THREADS = 1
-MAC_THREADED_BYTES = 1 << 20
 MAX_SALTED_KEY = 64
 
 
 class Framer:
     """Store keys and framed values under one cluster-wide secret."""
 
-    __slots__ = ("_blake3", "_mac_key", "_name_key", "mac_threads")
+    __slots__ = ("_blake3", "_mac_key", "_name_key")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < 16:
@@ -51,7 +47,6 @@ class Framer:
         self._blake3: Any = blake3
         self._name_key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-rname").digest()
         self._mac_key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-rmac").digest()
-        self.mac_threads = MAC_THREADS
 
     def store_key(self, salted: bytes) -> bytes:
         digest = hashlib.blake2b(salted, key=self._name_key, digest_size=16).hexdigest()
@@ -70,8 +65,7 @@ class Framer:
         return view
 
     def _mac(self, data: memoryview) -> bytes:
-        threads = self.mac_threads if len(data) >= MAC_THREADED_BYTES else 1
-        return bytes(self._blake3(data, key=self._mac_key, max_threads=threads).digest())
+        return bytes(self._blake3(data, key=self._mac_key).digest())
 
     def frame(self, salted: bytes, payload: bytes | memoryview) -> bytes:
         buf, body = self.open(salted, len(payload))
