@@ -16,9 +16,13 @@ weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
   (at the tiers' throughput the engine measured) beats recomputing them (at the prefill rate
   measured before the modes run) are loaded; the rest is prefilled. Each turn's choice (load,
   split, recompute) is reported, and whether this mode's TTFT ever exceeded recompute's.
-- ``kvtier-cpu-overlap`` / ``kvtier-disk-race``: the KV stored per layer group, restored group
-  by group while the prefill runs, and (disk) a prefix with blocks on disk raced against the
-  recompute (``multiturn_overlap``; ``--layer-groups``).
+- ``kvtier-cpu-overlap``: the stored prefix borrowed in place from the CPU tier and copied layer
+  group by layer group on a copy stream (``ConversationStore.restore_layered``) while the
+  staged prefill runs, each group's graph waiting for its own group's copy only
+  (``StagedPrefill``; ``--layer-groups``).
+- ``kvtier-cpu-groupkeys`` / ``kvtier-disk-race`` (experimental): the KV stored per layer group
+  under keys of its own, restored group by group (one engine load each) while the prefill runs,
+  and (disk) a prefix with blocks on disk raced against the recompute (``multiturn_overlap``).
 - ``kvtier-cpu-eager``: restore into a ``DynamicCache`` and prefill with transformers' eager
   forward (what the graph saves).
 - ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)`` kept per conversation (its
@@ -48,14 +52,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from multiturn_modes import (
+    HFOffloaded,
+    KVTier,
+    KVTierEager,
+    KVTierLayered,
+    Mode,
+    Recompute,
+    first_token,
+    sync,
+    user_tokens,
+)
 from multiturn_overlap import GroupedKVTier
 from multiturn_report import Turn, against_recompute, markdown, plot, same_tokens, summarize
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvtier import OffloadConfig, Tier, TierEngine
-from kvtier.integrations.transformers.cache import ConversationStore, KVLayout
-from kvtier.integrations.transformers.static import StaticPrefill
-from kvtier.planner import LoadPlanner, PrefillModel, TierCost, measured_costs
+from kvtier import OffloadConfig
+from kvtier.integrations.transformers.cache import KVLayout
+from kvtier.planner import PrefillModel
 
 GIB = 1024**3
 
@@ -72,10 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disk-path", default="", help="disk tier folder (default: a temp dir)")
     p.add_argument("--modes",
                    default="recompute,kvtier-cpu,kvtier-cpu-overlap,kvtier-disk,"
-                           "kvtier-disk-race,kvtier-cpu-eager,hf-offloaded")
+                           "kvtier-cpu-groupkeys,kvtier-disk-race,kvtier-cpu-eager,hf-offloaded")
     p.add_argument("--layer-groups", type=int, default=None,
                    help="layer groups of the overlap and race modes (default 4; --tiny 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paired", action="store_true",
+                   help="also recompute each turn's prompt just before every kvtier mode's turn "
+                        "(the 'never above recompute' check then compares those pairs)")
     p.add_argument("--no-planner", action="store_true",
                    help="kvtier-disk loads every stored block (no cost-aware loads)")
     p.add_argument("--step", type=int, default=128, help="graph bucket: suffix tokens")
@@ -114,10 +131,6 @@ def build_model(tiny: bool) -> tuple[LlamaForCausalLM, torch.device, torch.dtype
     return model.to(dtype).eval(), device, dtype
 
 
-def user_tokens(args: argparse.Namespace) -> int:
-    return max(1, args.max_context // args.turns - args.reply_tokens)
-
-
 def make_trace(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], list[int]]]]:
     """Per conversation, per turn: (user tokens, reply tokens); contexts end at max_context."""
     g = torch.Generator().manual_seed(args.seed)
@@ -127,183 +140,33 @@ def make_trace(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int
             for _ in range(args.conversations)]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def timed_ttft(mode: Mode | GroupedKVTier, conv: int, prompt: list[int],
+               device: torch.device) -> tuple[float, int, int]:
+    """(seconds, tokens reused, first token) of one timed turn."""
+    sync(device)
+    start = time.perf_counter()
+    reused, tok = mode.ttft(conv, prompt)
+    sync(device)
+    return time.perf_counter() - start, reused, tok
 
 
-def first_token(model: LlamaForCausalLM, ids: list[int], cache: DynamicCache) -> int:
-    x = torch.tensor([ids], device=model.device)
-    with torch.no_grad():
-        out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return int(out.logits[0, -1].argmax().item())
-
-
-class Mode:
-    """One way to serve a turn: ``ttft`` is timed; ``after`` (the reply's KV, saving) is not."""
-
-    name = ""
-    restore_s = 0.0  # set by ttft() when it restores a prefix
-    choice = ""  # set by ttft() when a planner chose what to load
-
-    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
-        """Return (tokens reused, first token)."""
-        raise NotImplementedError
-
-    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
-        return
-
-    def close(self) -> None:
-        return
-
-
-def run_mode(mode: Mode | GroupedKVTier, trace: list, device: torch.device) -> list[Turn]:
+def run_mode(mode: Mode | GroupedKVTier, trace: list, device: torch.device,
+             reference: Mode | None = None) -> list[Turn]:
+    """Every turn of ``trace`` through ``mode``; with ``reference`` (``--paired``), each turn's
+    prompt is also recomputed just before the mode's turn, under the same machine state."""
     rows: list[Turn] = []
     history: list[list[int]] = [[] for _ in trace]
     for t in range(len(trace[0])):
         for c, conv in enumerate(trace):
             user, reply = conv[t]
             prompt = history[c] + user
-            sync(device)
-            start = time.perf_counter()
-            reused, tok = mode.ttft(c, prompt)
-            sync(device)
-            rows.append(Turn(mode.name, c, t, len(prompt), reused,
-                             time.perf_counter() - start, tok, mode.restore_s, mode.choice))
+            ref = None if reference is None else timed_ttft(reference, c, prompt, device)[0]
+            took, reused, tok = timed_ttft(mode, c, prompt, device)
+            rows.append(Turn(mode.name, c, t, len(prompt), reused, took, tok, mode.restore_s,
+                             mode.choice, ref))
             mode.after(c, prompt, reply)
             history[c] = prompt + reply
     return rows
-
-
-class Recompute(Mode):
-    name = "recompute"
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model = model
-
-    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
-        return 0, first_token(self.model, prompt, DynamicCache(config=self.model.config))
-
-
-class KVTierEager(Mode):
-    """Restore the prefix into a ``DynamicCache``, prefill eagerly, store prompt + reply."""
-
-    def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
-                 args: argparse.Namespace, dtype: torch.dtype) -> None:
-        self.name, self.model = name, model
-        self.engine = TierEngine(config)
-        self.store = ConversationStore(
-            self.engine, tenant="bench", model_config=model.config, dtype=dtype,
-            device=model.device, block_size=args.block_size,
-            staging_slots=args.max_context // args.block_size + 1)
-        self._cache: DynamicCache | None = None
-
-    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
-        start = time.perf_counter()
-        cache = self.store.restore(prompt)
-        sync(self.model.device)
-        self.restore_s = time.perf_counter() - start
-        n = cache.restored_tokens
-        tok = first_token(self.model, prompt[n:], cache)
-        self._cache = cache
-        return n, tok
-
-    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
-        assert self._cache is not None
-        first_token(self.model, reply, self._cache)  # the reply's KV, as decoding leaves it
-        self.store.save(self._cache, prompt + reply, wait_s=5.0)
-        self._cache = None
-
-    def close(self) -> None:
-        counters = self.store.counters
-        self.restored_from = {t.name.lower(): n for t, n in counters.restored_from.items()}
-        self.store.close()
-        self.engine.close()
-
-
-class KVTier(KVTierEager):
-    """Restore the prefix into a static KV buffer; prefill the rest from a captured CUDA graph."""
-
-    def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
-                 args: argparse.Namespace, dtype: torch.dtype) -> None:
-        super().__init__(name, model, config, args, dtype)
-        self.prefill = StaticPrefill(model, args.max_context + 4 * args.block_size,
-                                     step=args.step, kv_step=args.kv_step)
-        # Capture the graphs of every (block-aligned prefix, suffix bucket) the trace can hit
-        # before timing: capturing is a start-up cost, not a per-turn one.
-        user = user_tokens(args)
-        suffixes = range(args.step, user + args.block_size + args.step, args.step)
-        self.graphs = self.prefill.prepare(list(range(0, args.max_context, args.block_size)),
-                                           list(suffixes))
-
-        self.planner: LoadPlanner | None = None
-        self._recomputed: DynamicCache | None = None  # a turn the planner left to recompute
-        self.graph_suffix = user + args.block_size  # longest suffix with captured graphs
-
-    def plan_loads(self, prefill: PrefillModel) -> None:
-        """Cost-aware loads from now on: the engine's measured throughput, ``prefill``'s rate."""
-        cuda = self.model.device.type == "cuda"
-
-        def costs() -> dict[Tier, TierCost]:
-            moved = self.engine.stats().counters.moved
-            rates = {d: m.bytes_per_s for d, m in moved.items()}
-            return measured_costs(rates, cuda, {d: m.latency_s for d, m in moved.items()})
-
-        from kvtier.client._backend import round_page
-
-        page = round_page(self.store.layout.raw_bytes)  # the bytes a block moves
-        self.planner = LoadPlanner(self.store.layout.block_size, page, prefill, costs)
-
-    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
-        start = time.perf_counter()
-        n = self.store.restore_into(self.prefill.kv, prompt, planner=self.planner)
-        sync(self.model.device)
-        self.restore_s = time.perf_counter() - start
-        plan = self.store.last_plan
-        self.choice = plan.choice if plan is not None else ""
-        if plan is not None and self.planner is not None:
-            self.planner.observe(plan, self.restore_s)  # what a load costs beyond the bytes
-        if len(prompt) - n <= self.graph_suffix:
-            return n, self.prefill.first_token(prompt, n)
-        if n == 0:  # the plan recomputes it all: exactly what recompute runs (KV copied after)
-            self._recomputed = DynamicCache(config=self.model.config)
-            return 0, first_token(self.model, prompt, self._recomputed)
-        # A long suffix (blocks left to recompute): eager; capturing a graph would be timed here.
-        self.prefill.graphs, graphs = False, self.prefill.graphs
-        try:
-            return n, self.prefill.first_token(prompt, n)
-        finally:
-            self.prefill.graphs = graphs
-
-    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
-        if self._recomputed is not None:  # the prompt's KV into the static buffer, untimed
-            kv, n = self.prefill.kv, len(prompt)
-            for i, layer in enumerate(self._recomputed.layers):
-                kv[i, 0, :, :n] = layer.keys[0, :, :n]
-                kv[i, 1, :, :n] = layer.values[0, :, :n]
-            self._recomputed = None
-        self.prefill.extend(prompt + reply, len(prompt))  # the reply's KV, as decoding leaves it
-        self.store.save(self.prefill.kv, prompt + reply, wait_s=5.0)
-
-
-class HFOffloaded(Mode):
-    """transformers' layer-offloaded DynamicCache, one per conversation, kept across turns."""
-
-    name = "hf-offloaded"
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model = model
-        self.caches: dict[int, DynamicCache] = {}
-
-    def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
-        cache = self.caches.get(conv)
-        if cache is None:
-            cache = self.caches[conv] = DynamicCache(config=self.model.config, offloading=True)
-        n = cache.get_seq_length()
-        return n, first_token(self.model, prompt[n:], cache)
-
-    def after(self, conv: int, prompt: list[int], reply: list[int]) -> None:
-        first_token(self.model, reply, self.caches[conv])  # the reply's KV, as decoding leaves it
 
 
 def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
@@ -365,8 +228,11 @@ def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.
         "kvtier-disk": lambda: planned(KVTier("kvtier-disk", model, engine_config(
             args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
             args, dtype), prefill),
-        "kvtier-cpu-overlap": lambda: GroupedKVTier("kvtier-cpu-overlap", model, engine_config(
-            args, device, page, cpu_bytes=roomy), args, race=False, user=user_tokens(args)),
+        "kvtier-cpu-overlap": lambda: KVTierLayered("kvtier-cpu-overlap", model, engine_config(
+            args, device, page, cpu_bytes=roomy), args, dtype),
+        "kvtier-cpu-groupkeys": lambda: GroupedKVTier("kvtier-cpu-groupkeys", model,
+            engine_config(args, device, page, cpu_bytes=roomy), args, race=False,
+            user=user_tokens(args)),
         "kvtier-disk-race": lambda: GroupedKVTier("kvtier-disk-race", model, engine_config(
             args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
             args, race=True, user=user_tokens(args)),
@@ -400,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         for make in make_modes(args, model, device, dtype, disk_dir, prefill):
             mode = make()
             try:
-                rows += run_mode(mode, trace, device)
+                ref = Recompute(model) if args.paired and mode.name != "recompute" else None
+                rows += run_mode(mode, trace, device, ref)
             except Exception as exc:  # a baseline that doesn't apply here is reported, not fatal
                 meta["skipped"][mode.name] = f"{type(exc).__name__}: {exc}"
             finally:

@@ -28,6 +28,7 @@ class Turn:
     first_token: int
     restore_s: float = 0.0  # part of ttft_s spent bringing the prefix back
     choice: str = ""  # the planner's: load | split | recompute | none ("" without a planner)
+    recompute_s: float | None = None  # --paired: recompute of the same prompt, just before
 
 
 def summarize(rows: list[Turn], modes: list[str]) -> list[dict[str, Any]]:
@@ -60,6 +61,10 @@ def against_recompute(rows: list[Turn], mode: str) -> dict[str, Any] | None:
     beyond recompute's (negative: never above it)."""
     ref = {(r.conv, r.turn): r.ttft_s for r in rows if r.mode == "recompute"}
     sel = [r for r in rows if r.mode == mode and (r.conv, r.turn) in ref]
+    paired = [r for r in rows if r.mode == mode and r.recompute_s is not None]
+    if paired:  # each turn against the recompute of its prompt measured just before it
+        ref = {(r.conv, r.turn): r.recompute_s for r in paired if r.recompute_s is not None}
+        sel = paired
     if not sel:
         return None
     ratios = [r.ttft_s / ref[(r.conv, r.turn)] for r in sel]
@@ -69,8 +74,10 @@ def against_recompute(rows: list[Turn], mode: str) -> dict[str, Any] | None:
     per_turn = [statistics.mean(a for a, _ in v) / statistics.mean(b for _, b in v)
                 for v in turns.values()]
     excess = max(r.ttft_s - ref[(r.conv, r.turn)] for r in sel)
-    return dict(turns_slower=sum(x > 1 for x in ratios), turns=len(ratios),
-                worst_ratio=max(ratios), worst_excess_ms=round(1000 * excess, 2), turn_means_slower=sum(x > 1 for x in per_turn),
+    return dict(paired=bool(paired), turns_slower=sum(x > 1 for x in ratios),
+                turns=len(ratios), worst_ratio=max(ratios),
+                worst_excess_ms=round(1000 * excess, 2),
+                turn_means_slower=sum(x > 1 for x in per_turn),
                 worst_turn_mean_ratio=max(per_turn))
 
 

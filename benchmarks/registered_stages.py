@@ -35,13 +35,24 @@ def _targets() -> list[tuple[Any, str, str]]:
         (prefix, "salt_key", "salt"),
         (prefix.PrefixStore, "_cpu_slots", "slots"),
         (prefix.PrefixStore, "_new_keyed", "new_keyed"),
-        (prefix.PrefixStore, "_resident_prefix", "resident"),
+        (prefix.PrefixStore, "resident_prefix", "resident"),
         (prefix.PrefixStore, "_wait", "wait"),
         (scheduler.TransferScheduler, "_launch", "launch"),
         (completion.Completion, "_complete_chunk", "complete"),
     ]
     if torch.cuda.is_available():
-        out.append((torch.cuda.Event, "synchronize", "sync"))
+        import kvtier.transfer.cuda as cuda
+        import kvtier.transfer.segtable as segtable
+        from kvtier.tiers.pinned import HostArena
+
+        out += [
+            (torch.cuda.Event, "synchronize", "sync"),
+            # Inside ``launch``: the handler's whole launch, and its parts.
+            (cuda._CudaHandler, "launch", "handler"),
+            (HostArena, "runs_array", "runs"),
+            (cuda._CudaHandler, "_index", "index"),
+            (segtable.SegmentTable, "_launch", "kernel"),
+        ]
     return out
 
 

@@ -7,14 +7,15 @@
   read and write directly (``Staging.rows``: ``[num_slots, page_size]`` uint8, mapped memory).
 - ``register(segments) -> Registered``: engine-owned memory; slots are the engine's block ids.
 - ``allocate`` / ``release`` / ``free``: pages of a staging pool (``allocate`` pins; ``None`` when
-  no slot is free). ``store`` / ``lookup`` / ``load``: the prefix-reuse calls of ENGINE_API.md.
+  no slot is free). ``store`` / ``lookup`` / ``load``: the prefix-reuse calls of ENGINE_API.md;
+  ``borrow``: the engine's pages lent in place (in-process engines only; None from a daemon).
 
 Nothing here retries or hides errors: ``kvtier.errors`` classes pass through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,12 @@ class Backend:
     def load(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         raise NotImplementedError
 
+    def borrow(self, handle: Any, keys: Sequence[bytes],
+               plan: Callable[[list[Tier]], int] | None = None) -> Any | None:
+        """The stored prefix's pages lent in place (``kvtier.prefix.borrow.Borrowed``), or None
+        where the pages live in another process (a daemon): then ``load`` copies them."""
+        return None
+
 
 class EngineBackend(Backend):
     """An in-process :class:`kvtier.TierEngine`; pools are addressed by ``pool_id``."""
@@ -102,6 +109,10 @@ class EngineBackend(Backend):
 
     def load(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(self.engine.load(handle.pool_id, keys, slots))
+
+    def borrow(self, handle: Any, keys: Sequence[bytes],
+               plan: Callable[[list[Tier]], int] | None = None) -> Any | None:
+        return self.engine.borrow(handle.pool_id, keys, plan)
 
 
 class ClientBackend(Backend):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -23,6 +23,7 @@ from kvtier.core import EngineCore
 from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
 from kvtier.pages.access import Residency
 from kvtier.pages.watermark import Watermarks
+from kvtier.prefix.borrow import Borrowed, borrow
 from kvtier.prefix.flush import flush_keyed
 from kvtier.prefix.remote import open_remote
 from kvtier.prefix.store import PrefixStore
@@ -327,6 +328,10 @@ class TierEngine:
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return self.prefix.load(pool_id, keys, slots)
+
+    def borrow(self, pool_id: PoolId, keys: Sequence[bytes],
+               plan: Callable[[list[Tier]], int] | None = None) -> Borrowed:
+        return borrow(self.prefix, pool_id, keys, plan)
 
     # -- operations -----------------------------------------------------------------------------
     def drain_restore_latencies(self) -> list[float]:

@@ -22,10 +22,15 @@ Contract:
       (none), ``"none"`` (no block was stored).
     * ``LoadPlanner(block_tokens, block_bytes, prefill, costs)``: ``plan`` with the block shape
       and the prefill model bound and the costs read from ``costs()`` at every call (live
-      measurements); ``planner(tiers, total_tokens, first)`` -> :class:`Plan`.
+      measurements), or at most every ``refresh_s`` seconds (a plan may be made under the
+      engine lock, where reading the engine's statistics each time costs a millisecond);
+      ``planner(tiers, total_tokens, first)`` -> :class:`Plan`.
       ``observe(plan, seconds)``: a load's measured end-to-end time; what it took beyond the
       tiers' modelled cost is learnt as ``overhead_s`` (the engine's per-load work: lookups,
-      hand-offs between threads), so small loads stop looking cheaper than they are.
+      hand-offs between threads), so small loads stop looking cheaper than they are; for a
+      load with blocks from below the CPU tier, as ``below_s`` per such block instead (what
+      the tiers' rates miss there: a read queued behind writes, a page written down to make
+      room in a full CPU tier), which ``plan(.., below_s=)`` adds to each such block.
     * ``default_costs(cuda)``: the costs used before anything was measured.
       ``measured_costs(rates, cuda, latencies)``: those costs with each measured rate (and
       latency) put in (``rates``: bytes/s per direction, 0 = not measured yet); a disk block
@@ -35,8 +40,9 @@ Contract:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -117,6 +123,8 @@ class Plan:
     compute_s: float  # modelled seconds of the prefill that follows
     recompute_s: float  # modelled seconds of recomputing every block instead
     overhead_s: float = 0.0  # the fixed cost of a load counted in ``load_s`` (when load > 0)
+    below: int = 0  # of the blocks loaded, those read from below the CPU tier (disk, remote)
+    below_s: float = 0.0  # the learnt extra seconds per such block counted in ``load_s``
 
     @property
     def choice(self) -> str:
@@ -135,9 +143,11 @@ def plan(
     prefill: PrefillModel,
     first: int = 0,
     overhead_s: float = 0.0,
+    below_s: float = 0.0,
 ) -> Plan:
     """The cheapest number of leading blocks of ``tiers`` to load (module docstring)."""
     _check("overhead_s", overhead_s, positive=False)
+    _check("below_s", below_s, positive=False)
     if block_tokens <= 0 or block_bytes <= 0:
         raise InvalidArgument("block_tokens", "block_tokens and block_bytes must be > 0")
     if first < 0:
@@ -147,8 +157,8 @@ def plan(
         raise InvalidArgument("total_tokens", f"{total_tokens} < the {end} tokens of the blocks")
     start = first * block_tokens
     recompute = prefill.seconds(start, total_tokens)
-    best = (recompute, 0, 0.0)  # (total seconds, blocks, load seconds)
-    load_s, used = overhead_s, set()
+    best = (recompute, 0, 0.0, 0)  # (total seconds, blocks, load seconds, blocks below CPU)
+    load_s, used, below = overhead_s, set(), 0
     for k, tier in enumerate(tiers, 1):
         cost = costs.get(tier)
         if cost is None:
@@ -157,11 +167,15 @@ def plan(
             used.add(tier)
             load_s += cost.latency_s
         load_s += block_bytes / cost.bytes_per_s
+        if tier > Tier.CPU:
+            below += 1
+            load_s += below_s
         total = load_s + prefill.seconds(start + k * block_tokens, total_tokens)
         if total <= best[0]:
-            best = (total, k, load_s)
-    total, k, loaded = best
-    return Plan(k, len(tiers), loaded, total - loaded, recompute, overhead_s if k else 0.0)
+            best = (total, k, load_s, below)
+    total, k, loaded, n_below = best
+    return Plan(k, len(tiers), loaded, total - loaded, recompute, overhead_s if k else 0.0,
+                n_below, below_s)
 
 
 @dataclass(slots=True)
@@ -174,13 +188,33 @@ class LoadPlanner:
     prefill: PrefillModel
     costs: Callable[[], Mapping[Tier, TierCost]]
     overhead_s: float = 0.0
+    below_s: float = 0.0  # learnt extra seconds per block read from below the CPU tier
+    refresh_s: float = 0.0  # read ``costs()`` at most this often (0: at every call)
+    _read: tuple[float, Mapping[Tier, TierCost]] | None = field(default=None, init=False,
+                                                                repr=False)
+
+    def __post_init__(self) -> None:
+        _check("refresh_s", self.refresh_s, positive=False)
+
+    def current_costs(self) -> Mapping[Tier, TierCost]:
+        now = time.monotonic()
+        if self._read is None or now - self._read[0] >= self.refresh_s:
+            self._read = (now, self.costs())
+        return self._read[1]
 
     def observe(self, chosen: Plan, seconds: float) -> None:
         """A load of ``chosen`` took ``seconds`` end to end: what it took beyond the modelled
-        ``load_s`` joins the overhead (a moving average, newest weighted ``OVERHEAD_WEIGHT``)."""
+        ``load_s`` (a moving average, newest weighted ``OVERHEAD_WEIGHT``) joins the fixed
+        overhead, or, when blocks came from below the CPU tier, the extra per such block
+        (``below_s``: reads queued behind writes, room made in a full CPU tier)."""
         if chosen.load > 0 and math.isfinite(seconds) and seconds >= 0:
-            extra = max(0.0, seconds - (chosen.load_s - chosen.overhead_s))
-            self.overhead_s += OVERHEAD_WEIGHT * (extra - self.overhead_s)
+            learnt = chosen.overhead_s + chosen.below * chosen.below_s
+            extra = max(0.0, seconds - (chosen.load_s - learnt))
+            if chosen.below:
+                per = max(0.0, extra - self.overhead_s) / chosen.below
+                self.below_s += OVERHEAD_WEIGHT * (per - self.below_s)
+            else:
+                self.overhead_s += OVERHEAD_WEIGHT * (extra - self.overhead_s)
 
     def __call__(self, tiers: Sequence[Tier], total_tokens: int, first: int = 0) -> Plan:
         return plan(
@@ -188,10 +222,11 @@ class LoadPlanner:
             block_tokens=self.block_tokens,
             block_bytes=self.block_bytes,
             total_tokens=total_tokens,
-            costs=self.costs(),
+            costs=self.current_costs(),
             prefill=self.prefill,
             first=first,
             overhead_s=self.overhead_s,
+            below_s=self.below_s,
         )
 
 

@@ -215,6 +215,43 @@ def test_an_observed_overhead_makes_small_loads_recompute() -> None:
     assert p([Tier.CPU] * 50, 50 * BT + 1).choice == "load"  # large loads still pay off
 
 
+def test_slow_loads_from_disk_teach_a_per_block_extra_for_disk_only() -> None:
+    """Disk blocks priced at 10 GB/s took 20 ms more each (room made in a full CPU tier):
+    once observed, disk prefixes are recomputed while CPU ones still load."""
+    costs = {Tier.CPU: FAST, Tier.DISK: TierCost(10e9)}
+    p = LoadPlanner(BT, BB, PREFILL, lambda: costs)
+    first = p([Tier.DISK] * 4, 4 * BT + 1)
+    assert first.choice == "load" and first.below == 4
+    for _ in range(8):
+        p.observe(first, first.load_s + 4 * 0.020)
+    assert p.below_s == pytest.approx(0.020, rel=0.05) and p.overhead_s == 0
+    later = p([Tier.DISK] * 4, 4 * BT + 1)
+    assert later.choice == "recompute"
+    assert p([Tier.CPU] * 4, 4 * BT + 1).choice == "load"
+    mixed = p([Tier.CPU] * 2 + [Tier.DISK] * 2, 4 * BT + 1)
+    assert mixed.choice == "split" and mixed.load == 2 and mixed.below == 0
+
+
+def test_costs_are_read_at_most_every_refresh_s() -> None:
+    reads: list[int] = []
+
+    def costs() -> dict[Tier, TierCost]:
+        reads.append(1)
+        return {Tier.CPU: FAST}
+
+    p = LoadPlanner(BT, BB, PREFILL, costs, refresh_s=60.0)
+    for _ in range(5):
+        assert p([Tier.CPU] * 2, 2 * BT + 1).choice == "load"
+    assert len(reads) == 1
+    live = LoadPlanner(BT, BB, PREFILL, costs)
+    live([Tier.CPU], BT + 1)
+    live([Tier.CPU], BT + 1)
+    assert len(reads) == 3  # refresh_s 0: every call
+    with pytest.raises(InvalidArgument) as err:
+        LoadPlanner(BT, BB, PREFILL, costs, refresh_s=-1.0)
+    assert err.value.field == "refresh_s"
+
+
 def test_measured_rates_replace_the_defaults() -> None:
     base = default_costs(cuda=True)
     got = measured_costs({Direction.CPU_TO_GPU: 40e9, Direction.DISK_TO_CPU: 2e9}, cuda=True,

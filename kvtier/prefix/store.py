@@ -34,6 +34,7 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
+from kvtier.prefix.copies import Copies, done, succeeded
 from kvtier.prefix.shared import Held, Staged, Stager, hold, land, offer, unstage
 from kvtier.state.pool import Pool
 from kvtier.state.table import EMPTY
@@ -81,7 +82,11 @@ class PrefixStore:
     def __init__(self, core: EngineCore) -> None:
         self._core = core
 
-    def _pool(self, pool_id: PoolId) -> Pool:
+    @property
+    def core(self) -> EngineCore:
+        return self._core
+
+    def pool(self, pool_id: PoolId) -> Pool:
         if self._core.closed:
             raise Unavailable("the engine is shut down")
         pool = self._core.pools.get(pool_id)
@@ -111,10 +116,10 @@ class PrefixStore:
     def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
         with core.cond:
-            pool = self._pool(pool_id)
+            pool = self.pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
             stored, at, full = 0, 0, True
-            pending = _Copies(pool, Direction.GPU_TO_CPU)
+            pending = Copies(pool, Direction.GPU_TO_CPU)
             started: list[Moves] = []  # each chunk's copies start before the next is hashed
             for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
                 todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
@@ -132,13 +137,13 @@ class PrefixStore:
             self._wait(started)
             held: Held = []
             if core.remote is not None and core.remote.admission == "always":
-                held = hold(core, _succeeded(pending.sent))
+                held = hold(core, succeeded(pending.sent))
             stored += sum(r is True for b in started for r in b.results or ())
         offer(core, held)  # copies for the write-behind, without the engine lock
         return stored
 
     def _store_chunk(
-        self, pool: Pool, items: list[tuple[bytes, int]], pending: _Copies, started: list[Moves]
+        self, pool: Pool, items: list[tuple[bytes, int]], pending: Copies, started: list[Moves]
     ) -> bool:
         """New keyed pages for ``items`` (salted key, slot) with their copies added to
         ``pending``; False when the CPU tier could not take them all (the store ends there)."""
@@ -161,7 +166,7 @@ class PrefixStore:
         ledger.incoming[Tier.CPU] += ledger.per_owner(t.owner[rows], pool.page_size)
         return rows
 
-    def _cpu_slots(self, pool: Pool, n: int, pending: _Copies, started: list[Moves]) -> np.ndarray:
+    def _cpu_slots(self, pool: Pool, n: int, pending: Copies, started: list[Moves]) -> np.ndarray:
         """Up to ``n`` CPU slots for stored blocks, waiting (bounded) while the cascade frees
         some.
 
@@ -179,7 +184,7 @@ class PrefixStore:
             started += pending.submit(core)
             restores, offloads = core.scheduler.depth()
             busy = restores or offloads or core.scheduler.inflight_bytes
-            if not busy and all(_done(b) for b in started):
+            if not busy and all(done(b) for b in started):
                 return got  # nothing under way will free a slot
             core.cond.wait(0.01)
 
@@ -234,7 +239,7 @@ class PrefixStore:
         reused: Held = []  # blocks reused for the first time: offered once the lock is released
         try:
             with core.cond:
-                pool = self._pool(pool_id)
+                pool = self.pool(pool_id)
                 keys, slots = self._args(pool, keys, slots)
                 if staged is not None:
                     land(core, staged)
@@ -275,10 +280,10 @@ class PrefixStore:
         held: list[np.ndarray] = []
         batches: list[Moves] = []
         at = 0
-        salted = _Salted(pool.tenant, keys)
+        salted = Salted(pool.tenant, keys)
         try:
             for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                rows = self._resident_prefix(pool, salted.span(at, at + size))
+                rows = self.resident_prefix(pool, salted.span(at, at + size))
                 held.append(rows)
                 batches += self._copy_in(pool, rows, slots[at : at + len(rows)])
                 if not at and len(rows) == size:  # the first copy is under way: queue the
@@ -291,13 +296,20 @@ class PrefixStore:
             for rows in held:
                 core.unprotect(rows)
         if at:
-            rows = np.concatenate(held)
-            core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
-            if core.remote is not None and core.remote.admission == "reused":
-                reused += hold(core, rows[core.table.hits[rows] == 0])  # first reuse
-            core.table.hit(rows)
+            reused += self.reused(pool, np.concatenate(held))
         results = [r for b in batches for r in b.results or ()]
         return results.index(False) if False in results else len(results)
+
+    def reused(self, pool: Pool, rows: np.ndarray) -> Held:
+        """Loaded rows (lock held): touched in the CPU policy, hit counted; the ones the remote
+        tier admits on first reuse, held for ``offer`` once the lock is released."""
+        core = self._core
+        core.policy_of(Tier.CPU, None, pool.page_size).touch(rows)
+        held: Held = []
+        if core.remote is not None and core.remote.admission == "reused":
+            held = hold(core, rows[core.table.hits[rows] == 0])  # first reuse
+        core.table.hit(rows)
+        return held
 
     def _fetch_remote(
         self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
@@ -309,10 +321,10 @@ class PrefixStore:
         if core.remote is None:
             return None
         with core.cond:
-            pool = self._pool(pool_id)
+            pool = self.pool(pool_id)
             keys, slots = self._args(pool, keys, slots)
             every = [salt_key(pool.tenant, k) for k in keys]
-            start = len(self._prefix(pool, every))
+            start = len(self.prefix(pool, every))
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
             salted = every[start : start + window]
         if not salted:
@@ -325,11 +337,11 @@ class PrefixStore:
         """Start copying CPU-resident keyed pages into pool slots (urgent: a load waits)."""
         if not len(rows):
             return []
-        copies = _Copies(pool, Direction.CPU_TO_GPU)
+        copies = Copies(pool, Direction.CPU_TO_GPU)
         copies.add(rows, self._core.table.slot[rows], np.array(slots, dtype=np.int64))
         return copies.submit(self._core, urgent=True)
 
-    def _resident_prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
+    def resident_prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
         """Rows of the longest stored prefix of ``salted`` (keys salted for ``pool``'s tenant),
         brought to the CPU tier and returned protected.
 
@@ -339,13 +351,13 @@ class PrefixStore:
         core, t = self._core, self._core.table
         deadline = time.monotonic() + core.config.restore_timeout_s
         held: set[int] = set()
-        rows = self._prefix(pool, salted)
+        rows = self.prefix(pool, salted)
         if t.at(rows, Tier.CPU).all():  # the common case: the whole prefix in the CPU tier
             core.protect(rows)
             return rows
         try:
             while True:
-                rows = self._prefix(pool, salted)
+                rows = self.prefix(pool, salted)
                 on_cpu = t.at(rows, Tier.CPU)
                 fresh = [r for r in rows[on_cpu].tolist() if r not in held]
                 if fresh:
@@ -369,12 +381,12 @@ class PrefixStore:
     def _read_ahead(self, pool: Pool, salted: list[bytes]) -> None:
         """Queue the disk reads of every stored block of ``salted`` at once, so the disk lane
         reads the next chunk while the previous one is copied on (the chunks then only wait)."""
-        rows = self._prefix(pool, salted)
+        rows = self.prefix(pool, salted)
         on_disk = rows[self._core.table.below_cpu(rows)]
         if len(on_disk):
             self._core.starts.restore_below(on_disk)
 
-    def _prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
+    def prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
         """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size."""
         t = self._core.table
         found: list[int] = []
@@ -389,52 +401,13 @@ class PrefixStore:
 
     def _wait(self, batches: list[Moves]) -> None:
         deadline = time.monotonic() + self._core.config.restore_timeout_s
-        while not all(_done(b) for b in batches):
+        while not all(done(b) for b in batches):
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("copy of stored blocks timed out")
             self._core.cond.wait(0.05)
 
 
-def _succeeded(sent: list[tuple[Moves, np.ndarray]]) -> np.ndarray:
-    """Rows of the copies that succeeded (a batch split by the scheduler keeps only its tail's
-    rows, but reports every result)."""
-    parts = [rows[np.array(b.results, dtype=object) == True] for b, rows in sent]  # noqa: E712
-    return np.concatenate(parts) if parts else EMPTY
-
-
-def _done(batch: Moves) -> bool:
-    return batch.results is not None and None not in batch.results
-
-
-class _Copies:
-    """Copy columns of stored blocks, gathered until submitted as one batch."""
-
-    def __init__(self, pool: Pool, direction: Direction) -> None:
-        self.pool, self.direction = pool, direction
-        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self.sent: list[tuple[Moves, np.ndarray]] = []  # each batch submitted, with its rows
-
-    def add(self, rows: np.ndarray, srcs: np.ndarray, dsts: np.ndarray) -> None:
-        self.parts.append((rows, srcs, dsts))
-
-    def submit(self, core: EngineCore, urgent: bool = False) -> list[Moves]:
-        """The gathered copies as one submitted batch (none when empty); starts a new one."""
-        if not self.parts:
-            return []
-        rows, srcs, dsts = (np.concatenate(col) for col in zip(*self.parts, strict=True))
-        pool = self.pool
-        batch = Moves(self.direction, pool.page_size, srcs, dsts, rows, pool.dev)
-        batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
-        self.parts = []
-        self.sent.append((batch, rows))
-        core.scheduler.submit([batch])
-        # Offer the interpreter to the lane now: the caller goes on with the next chunk's
-        # bookkeeping, and the launch should not wait a whole switch interval for it.
-        time.sleep(0)
-        return [batch]
-
-
-class _Salted:
+class Salted:
     """A load window's keys, each salted once (when first needed) for the tenant's table."""
 
     def __init__(self, tenant: str, keys: Sequence[bytes]) -> None:

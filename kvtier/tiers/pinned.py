@@ -214,6 +214,22 @@ class HostArena:
             for c, i, a, b in zip(chunks, starts, lo.tolist(), hi.tolist(), strict=True)
         ]
 
+    def run_addresses(self, page_size: int, slots: np.ndarray) -> list[tuple[int, int, int]]:
+        """``runs_array`` as ``(address of the run's first byte, lo, hi)``: no tensor views
+        (for copies queued by address, ``kvtier.transfer.dma``)."""
+        if len(slots) == 0:
+            return []
+        slots = np.asarray(slots, dtype=np.int64)
+        slab = self._slabs[page_size]
+        per, ps = slab.per_chunk, page_size
+        lo, hi = run_bounds(slots, per)
+        firsts = slots[lo].tolist()
+        chunks = slab.chunks
+        return [
+            (chunks[f // per].tensor.data_ptr() + (f % per) * ps, a, b)
+            for f, a, b in zip(firsts, lo.tolist(), hi.tolist(), strict=True)
+        ]
+
     def _take_spans(self, page_size: int, n: int) -> list[tuple[int, int]] | None:
         """Allocate ``n`` slots as ``(first id, count)`` spans, or ``None`` (nothing changed).
 

@@ -45,12 +45,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvtier.client._backend import Backend, Staging, as_backend, round_page
+from kvtier.client._backend import Backend, EngineBackend, Staging, as_backend, round_page
 from kvtier.client._blocks import KeyChains, namespace
 from kvtier.errors import CapacityError
 from kvtier.planner import LoadPlanner, Plan
 from kvtier.types import Tier
 
+from .layered import GroupCopier, LayeredRestore
+from .layout import KVLayout
 from .pool import PoolPages, staged_rows, write_rows
 
 _Take = Callable[[torch.Tensor, int], object]  # (rows [n, raw] uint8, index of the first block)
@@ -64,57 +66,6 @@ class KVTierCache(DynamicCache):
         super().__init__(*args, **kwargs)
         self.restored_tokens = 0
         self.restored_tiers: Counter[Tier] = Counter()
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one page: ``layers x 2 x kv_heads x block_size x head_dim`` of ``dtype``."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
-        get_text = getattr(config, "get_text_config", None)
-        text = get_text(decoder=True) if get_text else config
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
-
-    @property
-    def raw_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.layers * 2 * self.kv_heads * self.block_size * self.head_dim * elem
-
-    def pack(self, kv: torch.Tensor) -> torch.Tensor:
-        """``[L, 2, H, n*bs, D]`` → ``[n, raw_bytes]`` uint8 (one row per block)."""
-        L, two, H, T, D = kv.shape
-        n = T // self.block_size
-        blocks = kv.reshape(L, two, H, n, self.block_size, D).permute(3, 0, 1, 2, 4, 5)
-        return blocks.contiguous().view(torch.uint8).reshape(n, self.raw_bytes)
-
-    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`pack`: ``[n, raw_bytes]`` uint8 → ``[L, 2, H, n*bs, D]``."""
-        n = rows.shape[0]
-        shape = (n, self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
-        blocks = rows.contiguous().view(self.dtype).reshape(shape)
-        return blocks.permute(1, 2, 3, 0, 4, 5).reshape(
-            self.layers, 2, self.kv_heads, n * self.block_size, self.head_dim)
-
-    def unpack_into(self, kv: torch.Tensor, rows: torch.Tensor, at: int = 0) -> int:
-        """Write :meth:`unpack` of ``rows`` into ``kv[:, :, :, at:at + T]`` in one copy (``rows``
-        may be a strided view of wider slots); returns T."""
-        n = rows.shape[0]
-        T = n * self.block_size
-        src = rows.view(self.dtype).reshape(
-            n, self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
-        dst = kv[:, :, :, at : at + T].unflatten(3, (n, self.block_size))
-        dst.copy_(src.permute(1, 2, 3, 0, 4, 5), non_blocking=True)
-        return T
 
 
 @dataclass(slots=True)
@@ -154,6 +105,8 @@ class ConversationStore:
         self._staged: torch.cuda.Event | None = None  # recorded after the last read of staging
         self._pool: PoolPages | None = None
         self.last_plan: Plan | None = None  # the planner's choice in the last restore_into
+        self._copier: GroupCopier | None = None  # copies of borrowed pages (in-process engines)
+        self._lending = isinstance(self.backend, EngineBackend)
         try:
             self._slots = self._hold_staging(staging_slots)
             if keep_on_gpu:
@@ -246,6 +199,12 @@ class ConversationStore:
         At most ``capacity`` tokens are restored. With ``planner``, the stored blocks past the
         pool pages are loaded only as far as the plan says (the rest is left to the prefill).
         """
+        if self._lends():
+            restore = self.restore_layered(kv, token_ids, [0, self.layout.layers],
+                                           planner=planner)
+            restore.wait_all()
+            restore.release()
+            return restore.tokens
         self._check_kv(kv)
         bs = self.layout.block_size
         keys = self._restorable_keys(token_ids)[: kv.shape[3] // bs]
@@ -257,6 +216,39 @@ class ConversationStore:
             keys, lambda rows, first: self.layout.unpack_into(kv, rows, first * bs), cut)
         self._count(len(tiers) * bs, Counter(t for t in tiers if t is not None))
         return len(tiers) * bs
+
+    def restore_layered(self, kv: torch.Tensor, token_ids: Sequence[int], bounds: Sequence[int],
+                        *, planner: LoadPlanner | None = None) -> LayeredRestore:
+        """:meth:`restore_into`, layer group by layer group, without waiting for the copies.
+
+        ``bounds`` cut the layers into groups (``0 = b0 < b1 < ... = layers``). With an
+        in-process engine the stored prefix is borrowed in place and copied group by group on a
+        copy stream (``layered``): ``wait(g)`` makes the current stream wait for group ``g``
+        only, so the layers of group ``g`` can run while later groups are still copied. Call
+        ``release()`` once the prefill has consumed the buffer (the pages stay protected until
+        then). Through a daemon (or with pool pages) the prefix is loaded whole, as
+        :meth:`restore_into` does, and the returned restore has nothing left to wait for.
+        """
+        if not self._lends():
+            return LayeredRestore.done(self.restore_into(kv, token_ids, planner=planner))
+        self._check_kv(kv)
+        keys = self._restorable_keys(token_ids)[: kv.shape[3] // self.layout.block_size]
+        self.last_plan = None
+        cut = None  # planned on the tiers the engine lends from (no demotion in between)
+        if planner is not None:
+            cut = lambda tiers: self._plan(planner, tiers, 0, len(token_ids))  # noqa: E731
+        held = self.backend.borrow(self._staging.handle, keys, cut) if keys else None
+        if held is None:
+            return LayeredRestore.done(0)
+        if self._copier is None:
+            self._copier = GroupCopier(self.layout, self.device)
+        restore = self._copier.start(kv, held.views, bounds, held.release)
+        self._count(restore.tokens, Counter(held.tiers))
+        return restore
+
+    def _lends(self) -> bool:
+        """Whether restores borrow the engine's pages (an in-process engine, keyed pages only)."""
+        return self._pool is None and not self._group and self._lending
 
     def _check_kv(self, kv: torch.Tensor) -> None:
         lay = self.layout
