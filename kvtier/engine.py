@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -25,6 +25,7 @@ from kvtier.pages.access import Residency
 from kvtier.pages.watermark import Watermarks
 from kvtier.prefix.borrow import Borrowed, borrow
 from kvtier.prefix.flush import flush_keyed
+from kvtier.prefix.layers import load_layers
 from kvtier.prefix.remote import open_remote
 from kvtier.prefix.store import PrefixStore
 from kvtier.state.events import Event, EventSubscription
@@ -328,6 +329,10 @@ class TierEngine:
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return self.prefix.load(pool_id, keys, slots)
+
+    def load_layers(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
+                    bounds: Sequence[int]) -> Iterator[int]:
+        return load_layers(self.prefix, pool_id, keys, slots, bounds)
 
     def borrow(self, pool_id: PoolId, keys: Sequence[bytes],
                plan: Callable[[list[Tier]], int] | None = None) -> Borrowed:

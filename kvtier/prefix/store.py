@@ -94,7 +94,7 @@ class PrefixStore:
             raise NotFound(f"pool {pool_id} not found")
         return pool
 
-    def _args(
+    def args(
         self, pool: Pool, keys: Sequence[bytes], slots: Sequence[int]
     ) -> tuple[list[bytes], list[int]]:
         keys = check_keys("keys", keys)
@@ -117,7 +117,7 @@ class PrefixStore:
         core = self._core
         with core.cond:
             pool = self.pool(pool_id)
-            keys, slots = self._args(pool, keys, slots)
+            keys, slots = self.args(pool, keys, slots)
             stored, at, full = 0, 0, True
             pending = Copies(pool, Direction.GPU_TO_CPU)
             started: list[Moves] = []  # each chunk's copies start before the next is hashed
@@ -134,7 +134,7 @@ class PrefixStore:
                 started += pending.submit(core)
                 if not full:
                     break
-            self._wait(started)
+            self.wait(started)
             held: Held = []
             if core.remote is not None and core.remote.admission == "always":
                 held = hold(core, succeeded(pending.sent))
@@ -235,12 +235,12 @@ class PrefixStore:
 
     def _load_once(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         core = self._core
-        staged = self._fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
+        staged = self.fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
         reused: Held = []  # blocks reused for the first time: offered once the lock is released
         try:
             with core.cond:
                 pool = self.pool(pool_id)
-                keys, slots = self._args(pool, keys, slots)
+                keys, slots = self.args(pool, keys, slots)
                 if staged is not None:
                     land(core, staged)
                     staged = None
@@ -291,7 +291,7 @@ class PrefixStore:
                 at += len(rows)
                 if len(rows) < size:
                     break
-            self._wait(batches)
+            self.wait(batches)
         finally:
             for rows in held:
                 core.unprotect(rows)
@@ -311,7 +311,7 @@ class PrefixStore:
         core.table.hit(rows)
         return held
 
-    def _fetch_remote(
+    def fetch_remote(
         self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
     ) -> Staged | None:
         """Verified remote payloads of the blocks just past the local prefix (a CPU window of
@@ -322,7 +322,7 @@ class PrefixStore:
             return None
         with core.cond:
             pool = self.pool(pool_id)
-            keys, slots = self._args(pool, keys, slots)
+            keys, slots = self.args(pool, keys, slots)
             every = [salt_key(pool.tenant, k) for k in keys]
             start = len(self.prefix(pool, every))
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
@@ -399,7 +399,7 @@ class PrefixStore:
         bad = t.dropped(rows) | (t.size[rows] != pool.page_size)
         return rows[: int(np.argmax(bad))] if bad.any() else rows
 
-    def _wait(self, batches: list[Moves]) -> None:
+    def wait(self, batches: list[Moves]) -> None:
         deadline = time.monotonic() + self._core.config.restore_timeout_s
         while not all(done(b) for b in batches):
             if time.monotonic() > deadline:

@@ -70,6 +70,9 @@ class Moves:
     origin: Moves | None = None  # a split copy batch reports its results there ...
     at: int = 0  # ... from this column on
     final: bool = False  # its producer queues nothing after it (a lane may end on small batches)
+    # A copy batch of a registered pool's layer group: only the pool's segments [lo, hi) of
+    # each page (the same byte range of each CPU page) are copied; None: whole pages.
+    segments: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.srcs, self.dsts = as_index(self.srcs), as_index(self.dsts)
@@ -107,6 +110,7 @@ class Moves:
             None,
             (self.origin or self) if self.copy else None,
             self.at,
+            segments=self.segments,
         )
         self.srcs, self.dsts, self.rows = self.srcs[k:], self.dsts[k:], self.rows[k:]
         self.at += k

@@ -28,7 +28,7 @@ from kvtier.tiers.pinned import HostArena
 from kvtier.transfer import dma
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.transfer.gather import wide
-from kvtier.transfer.segtable import SegmentTable
+from kvtier.transfer.segtable import GroupTables, SegmentTable, group_table
 from kvtier.types import Direction
 
 
@@ -92,6 +92,7 @@ class _CudaHandler(TransferHandler):
         self._tables: weakref.WeakKeyDictionary[DevicePool, SegmentTable] = (
             weakref.WeakKeyDictionary()
         )
+        self._groups: GroupTables = weakref.WeakKeyDictionary()  # layer groups' tables
 
     def _buffer(self, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Staging for ``rows`` pages: as ``uint8`` rows (the DMA's view) and as ``int64`` rows
@@ -255,6 +256,9 @@ class CudaRestore(_CudaHandler):
     def _copy(self, batch: Moves) -> None:
         pool, size, dsts = batch.pool, batch.page_size, batch.dsts
         assert pool is not None, "GPU<->CPU batch without a pool"
+        if batch.segments is not None:
+            self._copy_group(batch)
+            return
         runs = self._runs(size, batch.srcs)
         order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
         index = self._index(order)
@@ -267,6 +271,31 @@ class CudaRestore(_CudaHandler):
             rows.index_copy_(0, index, words)
         else:
             self._table(pool).scatter(index, staging)
+
+    def _copy_group(self, batch: Moves) -> None:
+        """Segments ``[lo, hi)`` of each page (a layer group): their byte range ``[a, z)`` of
+        each CPU page, one 2-D DMA per host run into staging rows of ``z - a`` bytes, then one
+        scatter through a table of those segments only."""
+        pool, size, (lo, hi) = batch.pool, batch.page_size, batch.segments or (0, 0)
+        assert pool is not None
+        table, (a, z) = group_table(self._groups, pool, lo, hi)
+        width, dsts = z - a, batch.dsts
+        runs = self._runs(size, batch.srcs)
+        order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
+        index = self._index(order)
+        staging, _ = self._buffer(len(dsts), width)
+        at, base = 0, staging.data_ptr()
+        for run, p, q in runs:
+            k = q - p
+            if isinstance(run, int):
+                assert self._dma is not None
+                self._dma.copy_2d(base + at * width, width, run + a, size, width, k, self._stream)
+            else:
+                staging[at : at + k].copy_(run[:, a:z], non_blocking=True)
+            at += k
+        self._hand_over(self._stream, self._kernel)
+        torch.cuda.set_stream(self._kernel)
+        table.scatter(index, staging)
 
 
 def _in_run_order(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from kvtier.tiers.device import DevicePool
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer.base import Moves, TransferHandler
 from kvtier.transfer.gather import gather, scatter
-from kvtier.transfer.segtable import SegmentTable
+from kvtier.transfer.segtable import GroupTables, SegmentTable, group_table
 from kvtier.types import Direction
 
 
@@ -27,6 +28,7 @@ class _HostCopy(TransferHandler):
         self._tables: weakref.WeakKeyDictionary[DevicePool, SegmentTable] = (
             weakref.WeakKeyDictionary()
         )
+        self._groups: GroupTables = weakref.WeakKeyDictionary()
 
     def run(self, batch: Moves) -> list[bool]:
         pool = batch.pool
@@ -34,6 +36,9 @@ class _HostCopy(TransferHandler):
         restore = self.direction is Direction.CPU_TO_GPU
         rows, host = (batch.dsts, batch.srcs) if restore else (batch.srcs, batch.dsts)
         idx = torch.from_numpy(rows)
+        if batch.segments is not None:
+            assert restore, "a layer group is only ever loaded"
+            return self._restore_group(batch, idx, host)
         table = None
         if len(pool.segments) > 1:
             table = self._tables.get(pool)
@@ -47,6 +52,16 @@ class _HostCopy(TransferHandler):
                 table.scatter(idx[lo:hi], view)
             else:
                 table.gather(idx[lo:hi], view)
+        return [True] * len(batch)
+
+    def _restore_group(self, batch: Moves, idx: torch.Tensor, host: np.ndarray) -> list[bool]:
+        """Segments ``[lo, hi)`` of each page: their byte range of every CPU page, scattered
+        through a table of those segments only."""
+        pool, (lo, hi) = batch.pool, batch.segments or (0, 0)
+        assert pool is not None
+        table, (a, z) = group_table(self._groups, pool, lo, hi)
+        for view, p, q in self._arena.runs_array(batch.page_size, host):
+            table.scatter(idx[p:q], view[:, a:z].contiguous())
         return [True] * len(batch)
 
     def _copy(self, segments: list[torch.Tensor], idx: torch.Tensor, view: torch.Tensor) -> None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -121,3 +123,20 @@ class SegmentTable:
             log.exception("segment-table kernel unavailable; copying segment by segment")
             self.kernel = False
             return False
+
+
+_Group = tuple[SegmentTable, tuple[int, int]]  # a layer group's table and its bytes in a page
+GroupTables = weakref.WeakKeyDictionary[Any, dict[tuple[int, int], _Group]]
+
+
+def group_table(cache: GroupTables, pool: Any, lo: int, hi: int) -> _Group:
+    """The table of ``pool``'s segments ``[lo, hi)`` (a layer group) and their byte range in a
+    page, built once per pool and group (``pool.segments``: the pool's segment tensors)."""
+    per_pool = cache.setdefault(pool, {})
+    found = per_pool.get((lo, hi))
+    if found is None:
+        segs = list(pool.segments)
+        a = sum(s.shape[1] for s in segs[:lo])
+        z = a + sum(s.shape[1] for s in segs[lo:hi])
+        found = per_pool[(lo, hi)] = (SegmentTable(segs[lo:hi]), (a, z))
+    return found
