@@ -159,6 +159,19 @@ class AsyncKVTierClient:
     async def load(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(await self._do(ops.load(self._ref(att), keys, slots)))
 
+    async def load_layers(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int],
+                          segment_bounds: Sequence[int]) -> AsyncIterator[int]:
+        """As ``KVTierClient.load_layers``; the call starts at the first iteration."""
+        req = ops.load_layers(self._ref(att), keys, slots, segment_bounds)
+        call = self._stub.LoadLayers(req, timeout=self.timeout, metadata=self._metadata)
+        try:
+            async for reply in call:
+                yield int(reply.count)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        finally:
+            call.cancel()
+
     async def stats(self, *, whole: bool = False) -> pb.StatsReply:
         """This tenant's own view; ``whole``: the daemon-wide view (with tenant credentials
         configured, only the admin token may see it)."""

@@ -99,5 +99,12 @@ def load(ref: pb.PoolRef, keys: Sequence[bytes], slots: Sequence[int]) -> Op:
               lambda r: r.count)
 
 
+def load_layers(ref: pb.PoolRef, keys: Sequence[bytes], slots: Sequence[int],
+                segment_bounds: Sequence[int]) -> pb.LoadLayersRequest:
+    """The request of a layer-group load; its replies are a stream (one count per group)."""
+    return pb.LoadLayersRequest(pool=ref, keys=list(keys), slots=list(slots),
+                                segment_bounds=list(segment_bounds))
+
+
 def stats(tenant: str) -> Op:
     return Op("Stats", pb.StatsRequest(tenant=tenant))

@@ -148,6 +148,27 @@ class KVTierClient:
     def load(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(self._do(ops.load(self._ref(att), keys, slots)))
 
+    def load_layers(self, att: Attachment, keys: Sequence[bytes], slots: Sequence[int],
+                    segment_bounds: Sequence[int]) -> Iterator[int]:
+        """``load`` layer group by layer group (``LoadLayers``): group ``g`` is segments
+        ``[segment_bounds[g], segment_bounds[g + 1])`` of the pool. Yields, per group once its
+        bytes are in place, how many leading blocks it loaded (non-increasing); blocks past the
+        last count yielded are not loaded (recompute them). The call starts now, not at the
+        first ``next()``; closing the iterator early cancels it (the daemon releases all)."""
+        req = ops.load_layers(self._ref(att), keys, slots, segment_bounds)
+        stream = self._stub.LoadLayers(req, timeout=self.timeout, metadata=self._metadata)
+        return self._counts(stream)
+
+    @staticmethod
+    def _counts(stream: Any) -> Iterator[int]:
+        try:
+            for reply in stream:
+                yield int(reply.count)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        finally:
+            stream.cancel()
+
     # --- operations -------------------------------------------------------------------------
     def stats(self, *, whole: bool = False) -> pb.StatsReply:
         """This tenant's own view; ``whole``: the daemon-wide view (with tenant credentials

@@ -21,7 +21,7 @@ from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
-from . import convert, validate
+from . import convert, layers, validate
 from .errors import is_internal, shortfall, status_for
 from .fastlane import FastLane
 from .fdpass import FdExchange
@@ -235,6 +235,11 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             return pb.CountReply(count=self._engine.load(pool, keys, [SlotIndex(s) for s in slots]))
 
         return await self._run(ctx, call)
+
+    async def LoadLayers(self, req: pb.LoadLayersRequest, ctx: Ctx
+                         ) -> AsyncIterator[pb.LoadLayersReply]:
+        async for reply in layers.stream(self._engine, self._executor, self._pool, req, ctx):
+            yield reply
 
     # --- operations -------------------------------------------------------------------------
     async def Stats(self, req: pb.StatsRequest, ctx: Ctx) -> pb.StatsReply:

@@ -251,6 +251,26 @@ class LoadRequest(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class LoadLayersRequest(_message.Message):
+    __slots__ = ("pool", "keys", "slots", "segment_bounds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    segment_bounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., segment_bounds: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadLayersReply(_message.Message):
+    __slots__ = ("group", "count")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    count: int
+    def __init__(self, group: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("tenant",)
     TENANT_FIELD_NUMBER: _ClassVar[int]

@@ -104,6 +104,11 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CountReply.FromString,
                 _registered_method=True)
+        self.LoadLayers = channel.unary_stream(
+                '/kvtier.v1.KVTier/LoadLayers',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LoadLayersRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LoadLayersReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvtier.v1.KVTier/Stats',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
@@ -244,6 +249,21 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLayers(self, request, context):
+        """Load, layer group by layer group: segment_bounds cut the pool's segments into groups
+        [b0, b1), [b1, b2), ... (0 = b0 < b1 < ... = the pool's segment count, at most 4,097
+        bounds). The stored prefix of keys is found and protected once; then per group its blocks'
+        bytes of that group's segments are copied into their slots and waited for, and one reply
+        says how many leading blocks the group loaded (non-increasing over the groups: a failed copy
+        ends the prefix early). Blocks past the last count are not loaded in any group (earlier
+        groups may hold their bytes: recompute them); segments outside a group are untouched by it.
+        A client that cancels mid-stream leaves nothing protected. INVALID_ARGUMENT naming
+        segment_bounds (or keys/slots, as Load) before anything is copied; nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """A snapshot of the caller tenant's own pools, pages per tier and counters; with an empty
         tenant, of the whole daemon (with tenant credentials on, the admin token only).
@@ -334,6 +354,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LoadRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CountReply.SerializeToString,
+            ),
+            'LoadLayers': grpc.unary_stream_rpc_method_handler(
+                    servicer.LoadLayers,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LoadLayersRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.LoadLayersReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -724,6 +749,33 @@ class KVTier:
             '/kvtier.v1.KVTier/Load',
             kvtier_dot_v1_dot_kvtier__pb2.LoadRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.CountReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KVTier/LoadLayers',
+            kvtier_dot_v1_dot_kvtier__pb2.LoadLayersRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.LoadLayersReply.FromString,
             options,
             channel_credentials,
             insecure,
