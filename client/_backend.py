@@ -7,7 +7,8 @@
   read and write directly (``Staging.rows``: ``[num_slots, page_size]`` uint8, mapped memory).
 - ``register(segments) -> Registered``: engine-owned memory; slots are the engine's block ids.
 - ``allocate`` / ``release`` / ``free``: pages of a staging pool (``allocate`` pins; ``None`` when
-  no slot is free). ``store`` / ``lookup`` / ``load``: the prefix-reuse calls of ENGINE_API.md;
+  no slot is free). ``store`` / ``lookup`` / ``load`` / ``load_layers``: the prefix-reuse calls
+  of ENGINE_API.md (``load_layers``: an iterator of per-group counts; a daemon's starts at once);
   ``borrow``: the engine's pages lent in place (in-process engines only; None from a daemon).
 
 Nothing here retries or hides errors: ``kvtier.errors`` classes pass through.
@@ -15,7 +16,7 @@ Nothing here retries or hides errors: ``kvtier.errors`` classes pass through.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,10 @@ class Backend:
     def load(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         raise NotImplementedError
 
+    def load_layers(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int],
+                    bounds: Sequence[int]) -> Iterator[int]:
+        raise NotImplementedError
+
     def borrow(self, handle: Any, keys: Sequence[bytes],
                plan: Callable[[list[Tier]], int] | None = None) -> Any | None:
         """The stored prefix's pages lent in place (``kvtier.prefix.borrow.Borrowed``), or None
@@ -110,6 +115,10 @@ class EngineBackend(Backend):
     def load(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(self.engine.load(handle.pool_id, keys, slots))
 
+    def load_layers(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int],
+                    bounds: Sequence[int]) -> Iterator[int]:
+        return self.engine.load_layers(handle.pool_id, keys, slots, bounds)
+
     def borrow(self, handle: Any, keys: Sequence[bytes],
                plan: Callable[[list[Tier]], int] | None = None) -> Any | None:
         return self.engine.borrow(handle.pool_id, keys, plan)
@@ -151,6 +160,10 @@ class ClientBackend(Backend):
 
     def load(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return int(self.client.load(handle, keys, slots))
+
+    def load_layers(self, handle: Any, keys: Sequence[bytes], slots: Sequence[int],
+                    bounds: Sequence[int]) -> Iterator[int]:
+        return self.client.load_layers(handle, keys, slots, bounds)
 
 
 def as_backend(target: Any, tenant: str | None = None) -> Backend:

@@ -9,6 +9,11 @@
   ``staging_slots``.
 - ``load(t) -> int``: leading blocks of ``t`` now holding exactly the stored bytes. Blocks after
   that were not written and must be recomputed (the vLLM connector reports them as invalid).
+- ``load_groups(t, bounds) -> Iterator[int]``: register mode only: ``load`` one group of
+  segments at a time (``bounds``: segment indices ``0 = b0 < ... = len(rows.segments)``); per
+  group, once its bytes are in place, the leading blocks loaded in every group so far (never
+  growing). A daemon's call starts at once; closing the iterator early cancels it. It counts
+  nothing: the caller keeps the ``load_*`` counters.
 - ``store(t) -> int``: blocks stored (already-present keys count); a shortfall is not an error.
   It reads the blocks as they are when called (the caller waits for the engine's writes first).
 - ``stage(keys) -> Staged`` / ``unstage``: staging mode only, the load's first half — blocks
@@ -22,6 +27,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -90,6 +96,11 @@ class BlockMover:
         self.counters.loaded_blocks += got
         self.counters.load_failed_blocks += len(t.keys) - got
         return got
+
+    def load_groups(self, t: BlockTransfer, bounds: Sequence[int]) -> Iterator[int]:
+        if not self._registered:
+            raise ValueError("load_groups needs a registered pool (staging: stage + scatter)")
+        return self.backend.load_layers(self._pool, t.keys, t.block_ids, bounds)
 
     def store(self, t: BlockTransfer) -> int:
         """Store ``t``'s blocks as they are now: on CUDA the caller first waits for the writes

@@ -9,25 +9,33 @@ thread ``wait_layer(i)`` and ``result()``:
   layer by layer, in forward order. ``wait_layer(i)`` returns once layer ``i``'s copies of the
   last round are done (on CUDA: issued on the job's stream; the caller's stream then waits for
   their event, not the host) — never waiting for a later layer's copy.
-- Registered mode: the daemon writes all layers of a transfer straight into vLLM's memory (one
-  call per transfer); every layer is ready when the last call returns.
+- Registered mode: the daemon writes straight into vLLM's memory, one layer at a time
+  (``LoadLayers``, bounds at the layer boundaries: ``groups.layer_groups``). Every transfer's
+  stream is opened at once (the daemon copies them side by side); the job then reads group
+  ``g``'s reply of each transfer in turn and marks the layers of group ``g`` ready once every
+  transfer has passed it. A reply comes after the daemon has waited for its copies, so no CUDA
+  event is needed. A transfer's result is the last count its stream gave; a stream broken or
+  ended before its last group confirms no block of it.
 - ``result() -> list[int]``: per transfer, its leading blocks that now hold exactly the stored
   bytes (the rest must be recomputed); waits for the job. A daemon error ends the job: blocks
   not yet loaded count as failed and the error is in ``error`` (the caller re-attaches).
 - A transfer stops at its first block that did not load; its later blocks are never written.
 
-``before_layer(i)`` (tests) is called on the job's thread before layer ``i``'s copies.
+``before_layer(i)`` (tests) is called on the job's thread before layer ``i``'s copies (registered
+mode: before the job reads the replies of the group holding layer ``i``, for its first layer).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvtier.client.block_mover import BlockMover, BlockTransfer, Staged
+
+from .groups import layer_groups
 
 _Piece = tuple[int, int, int]  # (transfer index, first block, end block)
 
@@ -81,12 +89,11 @@ class LoadJob:
             self._finished.set()
 
     def _run(self) -> None:
-        if self.mover.registered:
-            for ti, t in enumerate(self.transfers):
-                self.got[ti] = self.mover.load(t)
-            return
         c = self.mover.counters
         try:
+            if self.mover.registered:
+                self._groups()
+                return
             stopped: set[int] = set()
             plan = rounds(self.transfers, self.mover.staging_slots)
             for r, pieces in enumerate(plan):
@@ -95,6 +102,35 @@ class LoadJob:
             c.load_calls += len(self.transfers)
             c.loaded_blocks += sum(self.got)
             c.load_failed_blocks += sum(len(t.keys) for t in self.transfers) - sum(self.got)
+
+    def _groups(self) -> None:
+        """Registered mode: every transfer layer by layer, side by side (module docstring)."""
+        bounds, group_of = layer_groups(self.layers, len(self.mover.rows.segments))
+        first = {g: li for li, g in reversed(list(enumerate(group_of)))}
+        streams: list[Iterator[int]] = []
+        try:
+            for t in self.transfers:  # the daemon refuses an empty load: nothing to ask
+                streams.append(self.mover.load_groups(t, bounds) if t.keys
+                               else iter([0] * (len(bounds) - 1)))
+            last = [0] * len(streams)
+            ended: set[int] = set()
+            for g in range(len(bounds) - 1):
+                if self._before is not None and g in first:
+                    self._before(first[g])
+                for ti, stream in enumerate(streams):
+                    n = None if ti in ended else next(stream, None)
+                    if n is None:  # ended early: none of its blocks is confirmed
+                        ended.add(ti)
+                    last[ti] = 0 if n is None else n
+                for li, lg in enumerate(group_of):
+                    if lg == g:
+                        self._ready[li].set()
+            self.got = last
+        finally:
+            for stream in streams:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
 
     def _round(self, pieces: list[_Piece], stopped: set[int], *, last: bool) -> None:
         staged: list[tuple[_Piece, Staged]] = []
