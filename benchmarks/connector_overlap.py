@@ -13,6 +13,11 @@ head_dim]`` (registered with the daemon on CUDA, copied through a staging pool o
 the connector's ``mode=auto`` does). Each layer's "forward" is a matmul loop calibrated to
 ``--layer-ms`` of device time, half before the layer's load wait and half after.
 
+How the connector loads: registered (CUDA), the daemon writes into vLLM's tensors one layer at
+a time (``LoadLayers``: one reply per layer once its copies landed, the step's transfers side
+by side), so ``wait_for_layer_load(i)`` waits for layer ``i`` only; staging (CPU), the daemon
+fills staging pages and the loader thread copies them into the layers in forward order.
+
 Workloads (``--blocks`` blocks per step, ``--steps`` steps per run):
     store  each step fills new blocks (fresh keys) that are stored (prefill of new prompts);
     load   each step loads stored blocks into other blocks (a prefix hit); bytes verified
@@ -21,10 +26,14 @@ Variants, run in rotating order ``--repeats`` times:
     none   the same steps without the connector (the floor);
     async  this connector: stores on the store thread once an event of the step is done;
            loads on the loader thread, waited for layer by layer;
+    whole  registered mode only (CUDA): as async, but each load is one group of every layer
+           (LoadLayers with bounds [0, all]: what the connector did before layer-wise loads,
+           one Load per transfer), so the first layer's wait waits for the whole load;
     sync   the previous behaviour: stores in wait_for_save after a device synchronize; loads
            whole in start_load_kv (``stores=sync``, ``loads=block``).
 Reported: median over runs of the mean step time (ms), the overhead over ``none``, and for
-async stores the time to drain the store queue after a run's last step.
+async stores the time to drain the store queue after a run's last step. The load workload's
+overlap is async against whole (the same loads, layer-wise or not).
 
     python benchmarks/connector_overlap.py --out benchmarks/results/   # CUDA: real figures
     python benchmarks/connector_overlap.py --device cpu --layers 4 --kv-heads 2 --head-dim 64 \\
@@ -55,7 +64,7 @@ from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.steps import WorkerSteps
 
 log = logging.getLogger("bench.connector")
-VARIANTS = ("none", "async", "sync")
+VARIANTS = ("none", "async", "whole", "sync")
 
 
 def start_daemon(tmp: Path, device: str, cpu_gb: float) -> tuple[subprocess.Popen, str]:
@@ -114,11 +123,20 @@ class Model:
         return max(1, round(target_ms / min(trials)))
 
 
+def variants(m: Model) -> tuple[str, ...]:
+    """``whole`` only where loads are registered (CUDA): it is a registered-mode variant."""
+    return VARIANTS if m.dev.type == "cuda" else tuple(v for v in VARIANTS if v != "whole")
+
+
 def make_steps(m: Model, address: str, variant: str, a: argparse.Namespace) -> WorkerSteps:
     link = DaemonLink(lambda: connect(address, tenant="bench", timeout=30.0), "bench", log)
+    layers = m.layers
+    if variant == "whole":  # layers not in forward order: the job loads them as one group
+        layers = dict(reversed(m.layers.items()))
+    threaded = variant in ("async", "whole")
     return WorkerSteps(link, m.rows, log, rank=Rank(), register=m.dev.type == "cuda",
-                       staging_slots=a.staging_slots, layers=m.layers,
-                       async_stores=variant == "async", layer_loads=variant == "async")
+                       staging_slots=a.staging_slots, layers=layers,
+                       async_stores=threaded, layer_loads=threaded)
 
 
 def one_step(m: Model, w: WorkerSteps | None, loads: list[BlockTransfer],
@@ -174,14 +192,16 @@ def bench(a: argparse.Namespace, address: str) -> dict[str, Any]:
     m = Model(a)
     src_ids = list(range(a.blocks))
     src_keys = [os.urandom(16) for _ in range(a.blocks)]
-    workers = {v: make_steps(m, address, v, a) for v in VARIANTS[1:]}
+    names = variants(m)
+    workers = {v: make_steps(m, address, v, a) for v in names[1:]}
     results: dict[str, Any] = {}
     for workload in a.workloads:
         if workload == "load":  # its prefix, stored now: the store runs evict older blocks
             seed(workers["sync"], src_keys, src_ids)
-        runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[dict[str, float]]] = {v: [] for v in names}
         for r in range(a.repeats + 1):  # round 0 warms up (attach, first copies)
-            order = VARIANTS[r % 3:] + VARIANTS[: r % 3]
+            k = r % len(names)
+            order = names[k:] + names[:k]
             for v in order:
                 res = run(m, workers.get(v), workload, a, r, src_keys, src_ids)
                 if r:
@@ -212,21 +232,22 @@ def _summary(rs: list[dict[str, float]]) -> dict[str, float]:
 
 def report(a: argparse.Namespace, res: dict[str, Any], device: str) -> str:
     page = 2 * a.layers * a.block_size * a.kv_heads * a.head_dim * (2 if a.device == "cuda" else 4)
+    shown = [v for v in VARIANTS[1:] if v in res[a.workloads[0]]]
+    mode = ("registered: loads layer by layer through LoadLayers (whole: one group)"
+            if a.device == "cuda" else "staging pool: loads copied into the layers in order")
     lines = [f"Device: {device}; {a.layers} layers, flash-attn layout {a.kv_heads}x{a.head_dim}, "
              f"block {a.block_size} ({page >> 10} KiB per block), {a.blocks} blocks per step, "
              f"{a.steps} steps per run, median of {a.repeats} runs; forward "
-             f"{a.layer_ms} ms per layer.", "",
-             "| workload | none ms/step | async ms/step (overhead) | sync ms/step (overhead) "
-             "| async drain ms |", "|---|---|---|---|---|"]
+             f"{a.layer_ms} ms per layer; {mode}.", "",
+             "| workload | none ms/step | "
+             + " | ".join(f"{v} ms/step (overhead)" for v in shown) + " | async drain ms |",
+             "|---|---|" + "---|" * len(shown) + "---|"]
     for wl in a.workloads:
         r = res[wl]
         base = r["none"]["step_ms"]
-
-        def cell(v: str, r: dict[str, Any] = r, base: float = base) -> str:
-            ms = r[v]["step_ms"]
-            return f"{ms:.2f} (+{ms - base:.2f})"
-        lines.append(f"| {wl} | {base:.2f} | {cell('async')} | {cell('sync')} "
-                     f"| {r['async'].get('drain_ms', 0.0):.2f} |")
+        cells = [f"{r[v]['step_ms']:.2f} (+{r[v]['step_ms'] - base:.2f})" for v in shown]
+        lines.append(f"| {wl} | {base:.2f} | " + " | ".join(cells)
+                     + f" | {r['async'].get('drain_ms', 0.0):.2f} |")
     return "\n".join(lines)
 
 
