@@ -38,6 +38,7 @@ def raw_call(ch: grpc.Channel, method: str, body: bytes, stream: bool = False) -
     ("Acquire", "AcquireRequest", b"\x12\x05\x01", False),         # page_ids longer than body
     ("Lookup", "LookupRequest", b"\x0a\x10abc", False),
     ("WatchEvents", "WatchRequest", b"\x0a\x01\x80", True),        # stream: same answer
+    ("LoadLayers", "LoadLayersRequest", b"\x22\x05\x01", True),  # bounds past the body
 ])
 def test_undecodable_body_is_invalid_argument_without_internals(
     channel: grpc.Channel, method: str, message: str, body: bytes, stream: bool

@@ -62,7 +62,9 @@ def raw(d: Daemon, method: str, request: object, token: str | None) -> grpc.Stat
     md = (("kvtier-tenant-token", token),) if token else ()
     with grpc.insecure_channel(d.address) as ch:
         try:
-            getattr(pb_grpc.KVTierStub(ch), method)(request, timeout=10, metadata=md)
+            reply = getattr(pb_grpc.KVTierStub(ch), method)(request, timeout=10, metadata=md)
+            if method == "LoadLayers":  # a stream: its status comes with the replies
+                list(reply)
         except grpc.RpcError as err:
             return err.code()
     return grpc.StatusCode.OK
@@ -145,6 +147,8 @@ def test_every_call_needs_the_tenants_own_token(secured: Daemon) -> None:
             "Store": pb.StoreRequest(pool=ref, keys=[b"new"], slots=[got[0][1]]),
             "Lookup": pb.LookupRequest(tenant="a", keys=keys),
             "Load": pb.LoadRequest(pool=ref, keys=keys, slots=[s for _, s in got]),
+            "LoadLayers": pb.LoadLayersRequest(pool=ref, keys=keys, slots=[s for _, s in got],
+                                               segment_bounds=[0, 1]),
             "Stats": pb.StatsRequest(tenant="a"),
         }
         for method, request in calls.items():
