@@ -3,11 +3,12 @@ a time, exact bytes per group, refusals that change nothing, and a client that w
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from kvtier.client import KVTierClient
+from kvtier.client import KVTierClient, connect_async
 from kvtier.client.attachment import Attachment
 from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon
@@ -148,3 +149,21 @@ def test_a_client_that_walks_away_leaves_nothing_protected(daemon1: Daemon) -> N
         r.fill(range(SLOTS))
         assert c.store(r.att, keys_of("fresh", SLOTS), list(range(SLOTS))) == SLOTS
         assert Tier.CPU not in c.lookup(keys)
+
+
+def test_the_asyncio_client_streams_the_same(daemon1: Daemon,
+                                             pool: tuple[KVTierClient, Registered]) -> None:
+    c, r = pool
+    keys = keys_of("aio", 3)
+    assert c.store(r.att, keys, [0, 1, 2]) == 3
+    r.blank(range(4, 7))
+
+    async def load(bounds: list[int]) -> list[int]:
+        async with connect_async(daemon1.address, tenant="layers") as ac:
+            return [n async for n in ac.load_layers(r.att, keys, [4, 5, 6], bounds)]
+
+    assert asyncio.run(load([0, 2, 8])) == [3, 3]
+    assert all(torch.equal(s[4:7], s[0:3]) for s in r.segs)
+    with pytest.raises(InvalidArgument) as err:
+        asyncio.run(load([0, 2]))
+    assert err.value.field == "segment_bounds"
