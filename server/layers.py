@@ -5,18 +5,20 @@ Contract:
       InvalidArgument("segment_bounds"); the rest of the rule (0 = b0 < ... = the pool's
       segment count) is the engine's, raised at the generator's first step before anything is
       copied, so a refused call changes nothing and the daemon and the engine say the same.
-    * ``stream(engine, executor, owned, req, ctx)``: checks the pool (``owned``: the tenancy
-      rule every pool call follows), keys and slots (as Load) on a worker thread, then pulls the
-      engine's generator there one group at a time, yielding one ``LoadLayersReply`` per group.
-      A group's reply is sent only after the engine has waited for its copies. Whatever ends
-      the stream (the last group, an error, the client cancelling, the daemon draining) closes
-      the generator, which releases what the load protected; a group being copied when the
-      client goes away finishes first (the close waits for it, on the worker thread).
+    * ``stream(engine, executor, owned, req, ctx)``: on a worker thread, checks the pool
+      (``owned``: the tenancy rule every pool call follows), keys and slots (as Load), then
+      runs the engine's generator there group after group, and yields one ``LoadLayersReply``
+      per group, sent only after the engine has waited for that group's copies. The load never
+      waits for the client to read: a slow or stalled reader holds nothing protected once the
+      copies are done. A stream that ends early (an error, the client cancelling, the daemon
+      draining) stops the load after the group being copied; the generator is always closed
+      on the worker, which releases what the load protected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -43,41 +45,58 @@ def segment_bounds(values: Sequence[int]) -> list[int]:
     return list(values)
 
 
-class _Groups:
-    """The engine's generator, stepped and closed under one lock: a close never races a step
-    that is still copying (the generator is then finished by the worker that closes it)."""
+class _Run:
+    """One load on a worker thread: every group pulled back to back (no hop through the event
+    loop between groups), each count handed to the loop as it lands. ``stop()`` ends it after
+    the group being copied; the generator is closed on the worker whatever happens."""
 
-    def __init__(self, groups: Iterator[int]) -> None:
-        self._groups = groups
-        self._lock = threading.Lock()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.out: asyncio.Queue[int | Exception | None] = asyncio.Queue()
+        self._stop = threading.Event()
 
-    def next(self) -> int | None:
-        with self._lock:
-            return next(self._groups, None)
+    def _put(self, item: int | Exception | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self.out.put_nowait, item)
 
-    def close(self) -> None:
-        with self._lock:
-            close = getattr(self._groups, "close", None)
-            if close is not None:
-                close()
+    def run(self, open_groups: Callable[[], Iterator[int]]) -> None:
+        try:
+            groups = open_groups()
+            try:
+                for count in groups:
+                    self._put(count)
+                    if self._stop.is_set():
+                        break
+            finally:
+                close = getattr(groups, "close", None)
+                if close is not None:
+                    close()
+        except Exception as exc:
+            self._put(exc)
+            return
+        self._put(None)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 async def stream(engine: Any, executor: Executor, owned: Callable[[Any], PoolId],
                  req: pb.LoadLayersRequest, ctx: Any) -> AsyncIterator[pb.LoadLayersReply]:
-    loop = asyncio.get_running_loop()
-
-    def opened() -> _Groups:
+    def open_groups() -> Iterator[int]:
         pool = owned(req)
         keys, slots = validate.keyed_slots(req.keys, req.slots)
-        bounds = segment_bounds(req.segment_bounds)
-        return _Groups(engine.load_layers(pool, keys, slots, bounds))
+        groups: Iterator[int] = engine.load_layers(pool, keys, slots,
+                                                   segment_bounds(req.segment_bounds))
+        return groups
 
-    groups: _Groups | None = None
+    run = _Run(asyncio.get_running_loop())
     try:
-        groups = await loop.run_in_executor(executor, opened)
+        executor.submit(run.run, open_groups)
         group = 0
-        while (count := await loop.run_in_executor(executor, groups.next)) is not None:
-            yield pb.LoadLayersReply(group=group, count=count)
+        while (item := await run.out.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield pb.LoadLayersReply(group=group, count=item)
             group += 1
     except Exception as exc:
         code, message = status_for(exc)
@@ -86,8 +105,4 @@ async def stream(engine: Any, executor: Executor, owned: Callable[[Any], PoolId]
         await ctx.abort(code, message)
         raise  # unreachable: abort raises
     finally:
-        if groups is not None:  # also on cancel: the close is queued, never skipped
-            try:
-                executor.submit(groups.close)
-            except RuntimeError:  # the executor is shut down (the daemon is stopping)
-                groups.close()
+        run.stop()  # also on cancel: the worker ends after the group being copied

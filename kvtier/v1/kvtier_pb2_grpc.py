@@ -252,13 +252,16 @@ class KVTierServicer:
     def LoadLayers(self, request, context):
         """Load, layer group by layer group: segment_bounds cut the pool's segments into groups
         [b0, b1), [b1, b2), ... (0 = b0 < b1 < ... = the pool's segment count, at most 4,097
-        bounds). The stored prefix of keys is found and protected once; then per group its blocks'
-        bytes of that group's segments are copied into their slots and waited for, and one reply
-        says how many leading blocks the group loaded (non-increasing over the groups: a failed copy
-        ends the prefix early). Blocks past the last count are not loaded in any group (earlier
+        bounds). The stored prefix of keys is found and protected once (as Load finds it, at most
+        half the CPU tier of it: the rest of a longer one is not loaded); then per group its
+        blocks' bytes of that group's segments are copied into their slots and waited for, and one
+        reply says how many leading blocks are loaded in every group so far (non-increasing: a
+        failed copy ends the prefix early). Blocks past the last count are not loaded (earlier
         groups may hold their bytes: recompute them); segments outside a group are untouched by it.
-        A client that cancels mid-stream leaves nothing protected. INVALID_ARGUMENT naming
-        segment_bounds (or keys/slots, as Load) before anything is copied; nothing changes.
+        The copies never wait for the client to read the replies; a client that cancels mid-stream
+        stops the load after the group being copied and leaves nothing protected.
+        INVALID_ARGUMENT naming segment_bounds (or keys/slots, as Load) before anything is copied,
+        and nothing changes; NOT_FOUND for another tenant's pool, as every pool call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
