@@ -36,7 +36,7 @@ def _targets() -> list[tuple[Any, str, str]]:
         (prefix.PrefixStore, "_cpu_slots", "slots"),
         (prefix.PrefixStore, "_new_keyed", "new_keyed"),
         (prefix.PrefixStore, "resident_prefix", "resident"),
-        (prefix.PrefixStore, "_wait", "wait"),
+        (prefix.PrefixStore, "wait", "wait"),
         (scheduler.TransferScheduler, "_launch", "launch"),
         (completion.Completion, "_complete_chunk", "complete"),
     ]

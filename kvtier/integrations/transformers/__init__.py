@@ -1,8 +1,8 @@
 """Prefix reuse for transformers generation: ``cache.ConversationStore`` (restore and save a
-conversation's KV), ``static.StaticPrefill`` (prefill over a preallocated KV buffer from CUDA
-graphs), ``pool`` (a store's blocks as pages of its own pool), ``staged.StagedPrefill`` (that
-prefill in layer groups), and two experimental variants, exact but measured slower than
-``restore_into`` on an H100: ``overlap.LayerGroupStore`` (KV stored per layer group, restored
-while the prefill runs) and ``race.RacedRestore`` (a slow load raced against the recompute).
-Imports transformers.
+conversation's KV; ``restore_layered`` copies a borrowed prefix layer group by layer group,
+``layered``), ``static.StaticPrefill`` (prefill over a preallocated KV buffer from CUDA graphs),
+``staged.StagedPrefill`` (that prefill in layer groups, each waiting for its own group), ``pool``
+(a store's blocks as pages of its own pool), and two experimental variants, exact but measured
+slower on an H100: ``overlap.LayerGroupStore`` (KV stored per layer group under keys of its own)
+and ``race.RacedRestore`` (a slow load raced against the recompute). Imports transformers.
 """

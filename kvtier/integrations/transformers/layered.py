@@ -22,7 +22,7 @@ host thread waits for a copy. On CPU (or ``device`` without CUDA) the copies run
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from itertools import pairwise
 
 import torch
@@ -70,6 +70,11 @@ class LayeredRestore:
                 self._events[-1].synchronize()
         finally:
             done()
+
+    def __del__(self) -> None:
+        # A restore dropped without ``release`` must not keep the engine's pages protected.
+        with suppress(Exception):
+            self.release()
 
 
 class GroupCopier:

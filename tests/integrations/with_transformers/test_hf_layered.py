@@ -165,3 +165,22 @@ def test_layered_restore_on_cuda_with_graphs_equals_eager() -> None:
             eager.kv[:, :, :, :192] = src.kv[:, :, :, :192]
             assert eager.first_token(ids + tail, 192) == got
             torch.testing.assert_close(over.kv[:, :, :, :220], eager.kv[:, :, :, :220])
+
+
+def test_a_restore_dropped_without_release_returns_the_pages(model, engine) -> None:
+    import gc
+
+    ids = tokens(70, 11)
+    src = StaticPrefill(model, 128, step=16)
+    src.extend(ids, 0)
+    with conversation(engine, model, tenant="t") as store:
+        store.save(src.kv, ids)
+        restore = store.restore_layered(torch.zeros_like(src.kv), [*ids, 1], [0, 4])
+        assert restore.tokens == 64
+        c = engine._core
+        with c.cond:
+            assert int(c.table.protect.sum()) == 4
+        del restore
+        gc.collect()
+        with c.cond:
+            assert int(c.table.protect.sum()) == 0
