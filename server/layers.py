@@ -60,6 +60,7 @@ class _Run:
             self._loop.call_soon_threadsafe(self.out.put_nowait, item)
 
     def run(self, open_groups: Callable[[], Iterator[int]]) -> None:
+        end: Exception | None = RuntimeError("the load stopped unexpectedly")
         try:
             groups = open_groups()
             try:
@@ -71,10 +72,11 @@ class _Run:
                 close = getattr(groups, "close", None)
                 if close is not None:
                     close()
+            end = None
         except Exception as exc:
-            self._put(exc)
-            return
-        self._put(None)
+            end = exc
+        finally:  # the stream always gets its last item, so it never waits forever
+            self._put(end)
 
     def stop(self) -> None:
         self._stop.set()
