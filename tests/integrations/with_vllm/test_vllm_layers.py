@@ -175,15 +175,31 @@ def test_missing_blocks_and_a_restart_are_recomputes(
     b.close()
 
 
+def engine_mover(kv: KV) -> tuple[TierEngine, BlockMover]:
+    engine = TierEngine(OffloadConfig(
+        device="cpu", page_size=4096, gpu_memory_gb=1 / 1024, cpu_memory_gb=0.01,
+        pinned_chunk_mb=1, batch_mb=1, max_inflight_mb=8, metrics_addr=""))
+    return engine, BlockMover(EngineBackend(engine, "t"), kv.rows, register=True)
+
+
+def test_an_empty_transfer_asks_nothing_and_loads_nothing() -> None:
+    kv = KV(8, 4)
+    engine, mover = engine_mover(kv)
+    with engine:
+        assert mover.store(BlockTransfer("a", KEYS[:2], [0, 1])) == 2
+        job = LoadJob(mover, [BlockTransfer("e", [], []), BlockTransfer("b", KEYS[:2], [4, 5])],
+                      list(kv.ranges.values()))
+        job.run()
+        assert job.error is None and job.result() == [0, 2]
+        assert all(torch.equal(t[4:6], t[0:2]) for t in kv.layers)
+
+
 def test_a_pool_lost_between_groups_confirms_no_block() -> None:
     """In process (the engine's generator copies a group only when asked): the pool is detached
     after layer 0's group; the job fails, no block counts as loaded, every layer is released."""
     kv = KV(8, 3)
-    with TierEngine(OffloadConfig(
-            device="cpu", page_size=4096, gpu_memory_gb=1 / 1024, cpu_memory_gb=0.01,
-            pinned_chunk_mb=1, batch_mb=1, max_inflight_mb=8, metrics_addr="")) as engine:
-        backend = EngineBackend(engine, "t")
-        mover = BlockMover(backend, kv.rows, register=True)
+    engine, mover = engine_mover(kv)
+    with engine:
         assert mover.store(BlockTransfer("a", KEYS[:2], [0, 1])) == 2
 
         def lose(i: int) -> None:
