@@ -182,16 +182,19 @@ def engine_mover(kv: KV) -> tuple[TierEngine, BlockMover]:
     return engine, BlockMover(EngineBackend(engine, "t"), kv.rows, register=True)
 
 
-def test_an_empty_transfer_asks_nothing_and_loads_nothing() -> None:
-    kv = KV(8, 4)
-    engine, mover = engine_mover(kv)
-    with engine:
-        assert mover.store(BlockTransfer("a", KEYS[:2], [0, 1])) == 2
-        job = LoadJob(mover, [BlockTransfer("e", [], []), BlockTransfer("b", KEYS[:2], [4, 5])],
-                      list(kv.ranges.values()))
-        job.run()
-        assert job.error is None and job.result() == [0, 2]
-        assert all(torch.equal(t[4:6], t[0:2]) for t in kv.layers)
+def test_an_empty_transfer_asks_nothing_and_loads_the_others(
+        daemon: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon refuses a load of no keys: asking it would drop the pool for nothing."""
+    address, _ = daemon
+    src, dst = KV(8, 4), KV(8, None)
+    a = worker(address, src, monkeypatch)
+    stored(a, [BlockTransfer("a", KEYS[:2], [0, 1])])
+    b = worker(address, dst, monkeypatch)
+    assert b.begin([BlockTransfer("e", [], []), BlockTransfer("x", KEYS[:2], [4, 5])]) == set()
+    assert all(torch.equal(d[4:6], s[0:2]) for s, d in zip(src.layers, dst.layers, strict=True))
+    assert b.counters.attaches == 1 and not b.link.down
+    a.close()
+    b.close()
 
 
 def test_a_pool_lost_between_groups_confirms_no_block() -> None:
