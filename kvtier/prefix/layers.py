@@ -10,13 +10,14 @@ Contract:
       ``bounds``: segment indices of the pool, ``0 = b0 < b1 < ... < bG = len(segments)`` (else
       ``InvalidArgument("segment_bounds")``); keys and slots are checked as ``load`` checks
       them. Every error is raised at the first ``next()``, before anything is copied.
-    * The stored prefix of ``keys`` (local tiers and remote hits, as ``load`` finds it; at most
-      half the CPU tier and the tenant's CPU quota of it at once) is brought to the CPU tier
-      and protected once. Then for each group ``g``, segments ``[b_g, b_g+1)`` of each block of
-      that prefix are copied into its slot (nothing else of the slot is written), waited for,
-      and the generator yields how many leading blocks are loaded in every group so far: the
-      values never grow (a copy that failed ends the prefix early). Blocks past the last value
-      yielded are not loaded, whatever earlier groups wrote into them.
+    * The stored prefix of ``keys`` (local tiers and remote hits, as ``load`` finds it; of its
+      blocks below the CPU tier at most half the CPU tier and the tenant's CPU quota: the rest
+      of a longer prefix is not loaded) is brought to the CPU tier and protected once. Then for
+      each group ``g``, segments ``[b_g, b_g+1)`` of each block of that prefix are copied into
+      its slot (nothing else of the slot is written), waited for, and the generator yields how
+      many leading blocks are loaded in every group so far: the values never grow (a copy that
+      failed ends the prefix early). Blocks past the last value yielded are not loaded,
+      whatever earlier groups wrote into them.
     * Closing the generator early, or an error, returns the protection; the blocks loaded count
       as hits (the eviction policy's touch) once the last group is in.
 """
@@ -33,7 +34,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.prefix.shared import Held, land, offer, unstage
 from kvtier.state.pool import Pool
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction, PoolId
+from kvtier.types import Direction, PoolId, Tier
 
 if TYPE_CHECKING:
     from kvtier.prefix.store import PrefixStore
@@ -83,7 +84,11 @@ def load_layers(
             window = max(1, core.host.capacity_bytes // pool.page_size // 2)
             if core.ledger.active and (share := core.ledger.quota(pool.tenant).cpu) is not None:
                 window = max(1, min(window, share // pool.page_size))
-            salted = [salt_key(pool.tenant, k) for k in keys[:window]]
+            salted = [salt_key(pool.tenant, k) for k in keys]
+            # Blocks already in the CPU tier need no room there: only those below count.
+            stored = prefix.prefix(pool, salted)
+            below = np.cumsum(~core.table.at(stored, Tier.CPU))
+            salted = salted[: int(np.searchsorted(below, window, side="right"))]
             rows = prefix.resident_prefix(pool, salted)  # protected until the end
             srcs, dsts = core.table.slot[rows], np.array(slots[: len(rows)], dtype=np.int64)
         n = len(rows)
