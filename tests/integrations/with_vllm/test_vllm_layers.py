@@ -112,6 +112,11 @@ def test_layer_groups_follow_layer_boundaries() -> None:
     whole = ([0, 4], [0, 0])
     assert layer_groups([range(2, 4), range(0, 2)], 4) == whole  # not in forward order
     assert layer_groups([range(0, 2), range(2, 3)], 4) == ([0, 4], [0, 0])  # not all segments
+    eight = [range(2 * i, 2 * i + 2) for i in range(8)]  # 8 layers of a K and a V segment
+    assert layer_groups(eight, 16) == ([0, 4, 8, 12, 16], [0, 0, 1, 1, 2, 2, 3, 3])
+    assert layer_groups(eight, 16, most=3) == ([0, 6, 12, 16], [0, 0, 0, 1, 1, 1, 2, 2])
+    assert layer_groups(eight, 16, most=1) == ([0, 16], [0] * 8)
+    assert layer_groups(eight, 16, most=8)[1] == list(range(8))
 
 
 def test_each_layer_is_ready_before_later_layers_are_confirmed(
