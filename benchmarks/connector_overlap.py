@@ -13,10 +13,11 @@ head_dim]`` (registered with the daemon on CUDA, copied through a staging pool o
 the connector's ``mode=auto`` does). Each layer's "forward" is a matmul loop calibrated to
 ``--layer-ms`` of device time, half before the layer's load wait and half after.
 
-How the connector loads: registered (CUDA), the daemon writes into vLLM's tensors one layer at
-a time (``LoadLayers``: one reply per layer once its copies landed, the step's transfers side
-by side), so ``wait_for_layer_load(i)`` waits for layer ``i`` only; staging (CPU), the daemon
-fills staging pages and the loader thread copies them into the layers in forward order.
+How the connector loads: registered (CUDA), the daemon writes into vLLM's tensors one layer
+group at a time (``LoadLayers``: one reply per group once its copies landed, the step's
+transfers side by side), so ``wait_for_layer_load(i)`` waits for layer ``i``'s group only;
+staging (CPU), the daemon fills staging pages and the loader thread copies them into the layers
+in forward order.
 
 Workloads (``--blocks`` blocks per step, ``--steps`` steps per run):
     store  each step fills new blocks (fresh keys) that are stored (prefill of new prompts);
@@ -25,10 +26,11 @@ Workloads (``--blocks`` blocks per step, ``--steps`` steps per run):
 Variants, run in rotating order ``--repeats`` times:
     none   the same steps without the connector (the floor);
     async  this connector: stores on the store thread once an event of the step is done;
-           loads on the loader thread, waited for layer by layer;
+           loads on the loader thread, waited for layer by layer; registered loads in
+           ``--load-groups`` layer groups (default 4);
     whole  registered mode only (CUDA): as async, but each load is one group of every layer
-           (LoadLayers with bounds [0, all]: what the connector did before layer-wise loads,
-           one Load per transfer), so the first layer's wait waits for the whole load;
+           (the connector's default ``load_groups=1``), so the first layer's wait waits for
+           the whole load;
     sync   the previous behaviour: stores in wait_for_save after a device synchronize; loads
            whole in start_load_kv (``stores=sync``, ``loads=block``).
 Reported: median over runs of the mean step time (ms), the overhead over ``none``, and for
@@ -130,13 +132,11 @@ def variants(m: Model) -> tuple[str, ...]:
 
 def make_steps(m: Model, address: str, variant: str, a: argparse.Namespace) -> WorkerSteps:
     link = DaemonLink(lambda: connect(address, tenant="bench", timeout=30.0), "bench", log)
-    layers = m.layers
-    if variant == "whole":  # layers not in forward order: the job loads them as one group
-        layers = dict(reversed(m.layers.items()))
     threaded = variant in ("async", "whole")
+    groups = a.load_groups if variant == "async" else 1
     return WorkerSteps(link, m.rows, log, rank=Rank(), register=m.dev.type == "cuda",
-                       staging_slots=a.staging_slots, layers=layers,
-                       async_stores=threaded, layer_loads=threaded)
+                       staging_slots=a.staging_slots, layers=m.layers,
+                       async_stores=threaded, layer_loads=threaded, load_groups=groups)
 
 
 def one_step(m: Model, w: WorkerSteps | None, loads: list[BlockTransfer],
@@ -233,7 +233,8 @@ def _summary(rs: list[dict[str, float]]) -> dict[str, float]:
 def report(a: argparse.Namespace, res: dict[str, Any], device: str) -> str:
     page = 2 * a.layers * a.block_size * a.kv_heads * a.head_dim * (2 if a.device == "cuda" else 4)
     shown = [v for v in VARIANTS[1:] if v in res[a.workloads[0]]]
-    mode = ("registered: loads layer by layer through LoadLayers (whole: one group)"
+    mode = (f"registered: async loads in {a.load_groups} layer groups through LoadLayers "
+            "(whole: one group)"
             if a.device == "cuda" else "staging pool: loads copied into the layers in order")
     lines = [f"Device: {device}; {a.layers} layers, flash-attn layout {a.kv_heads}x{a.head_dim}, "
              f"block {a.block_size} ({page >> 10} KiB per block), {a.blocks} blocks per step, "
@@ -267,6 +268,8 @@ def main() -> None:
     p.add_argument("--cpu-gb", type=float, default=8.0,
                    help="the daemon's CPU tier: small, so the store runs reach a steady state "
                         "(the tier full, older blocks evicted) after the warm-up round")
+    p.add_argument("--load-groups", type=int, default=4,
+                   help="registered loads of the async variant: layer groups (whole: 1)")
     p.add_argument("--workloads", nargs="+", default=["store", "load"],
                    choices=["store", "load"])
     p.add_argument("--out", type=Path, help="folder for connector_overlap.{json,md}")

@@ -16,15 +16,19 @@ and copies CPU memory), ``staging_slots`` (64), ``stats_file`` (write the worker
 as JSON after every step that moved blocks and every store that ended), ``stores`` (``async``:
 after the forward, off the step; ``sync``: in ``wait_for_save``, after a device synchronize),
 ``loads`` (``layer``: ``wait_for_layer_load`` waits per layer; ``block``: all in
-``start_load_kv``), ``store_wait_s`` (1.0: how long a lookup waits for this engine's own store
-of the next block still in flight) and ``store_timeout_s`` (30: how long shutdown waits for
-stores in flight).
+``start_load_kv``), ``load_groups`` (1: registered loads in that many layer groups, each
+group's layers ready when it lands; one group by default: on a GPU without MPS the daemon's
+copies do not run beside the forward, see ``groups``), ``store_wait_s`` (1.0: how long a
+lookup waits for this engine's own store of the next block still in flight) and
+``store_timeout_s`` (30: how long shutdown waits for stores in flight).
 
 Scheduler side: the number of prompt tokens kvtier holds is the longest stored prefix of the
 request's chained block keys that *every* tensor/pipeline rank holds, planned into loads and
 stores by ``LoadStorePlanner``. Worker side (``WorkerSteps``): ``start_load_kv`` issues the
 step's loads on a loader thread and ``wait_for_layer_load(layer)`` waits for that layer's copies
-only, so the copies of later layers overlap the forward of earlier ones. ``wait_for_save``
+only (staging mode: the loader copies layer by layer; registered mode: the daemon's
+``LoadLayers`` replies per ``load_groups`` group), so copies of later layers can overlap the
+forward of earlier ones. ``wait_for_save``
 records an event on the current stream and hands the step's full blocks to a store thread,
 which stores them once the event has completed: no device synchronize and no store in the step.
 A request with stores planned is finished with ``request_finished -> True`` (vLLM keeps its
@@ -74,6 +78,7 @@ from vllm.logger import init_logger
 
 from kvtier.client.block_rows import BlockRows, block_segments
 
+from .groups import MAX_GROUPS
 from .identity import Rank, all_rank_keys, engine_namespace
 from .link import DaemonLink
 from .plan import BlockTransfer, LoadStorePlanner
@@ -100,6 +105,7 @@ class ConnectorOptions:
     stats_file: str = ""
     stores: str = "async"
     loads: str = "layer"
+    load_groups: int = 1
     store_wait_s: float = 1.0
     store_timeout_s: float = 30.0
 
@@ -123,6 +129,10 @@ class ConnectorOptions:
             if getattr(opts, name) not in accepted:
                 raise ValueError(f"kv_connector_extra_config.{name}={getattr(opts, name)!r}; "
                                  f"accepted: {'|'.join(accepted)}")
+        g = opts.load_groups
+        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GROUPS:
+            raise ValueError(f"kv_connector_extra_config.load_groups={g!r}; "
+                             f"accepted: an integer 1..{MAX_GROUPS}")
         for name in ("timeout", "store_wait_s", "store_timeout_s"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -278,6 +288,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                   exchange=_exchange if world > 1 else None, layers=layers,
                                   async_stores=o.stores == "async",
                                   layer_loads=o.loads == "layer",
+                                  load_groups=o.load_groups,
                                   store_timeout_s=o.store_timeout_s,
                                   on_stored=self._write_stats if o.stats_file else None)
         self._steps.mover()  # attach now if the daemon is up; else on a later step

@@ -8,10 +8,14 @@ many layers each: ``bounds`` fall on layer boundaries (``0, ..., num_segments``)
 one). Otherwise, one group holds every segment and every layer is ready when the whole load is
 (what ``LoadLayers`` with ``[0, num_segments]`` is: a ``Load``).
 
-Why at most ``LOAD_GROUPS`` (4): each group is one engine batch and one reply, ~1 ms of fixed
-cost on a lent H100 whatever its size; one group per layer (32) cost more than the whole load
-(connector_overlap.py: +42.8 ms a step against +9.3 for one group), while a quarter of the
-layers' forward outlasts the next quarter's copy.
+Why one group by default (``LOAD_GROUPS``; the connector's ``load_groups`` option): the daemon
+is another process, and a GPU without MPS time-slices the two processes' work, so the daemon's
+copies of later groups do not run beside the engine's forward. Measured on a lent H100
+(``benchmarks/connector_overlap.py``, 32 layers, 256 MiB a step): a 64 MiB group landed ~1.5
+ms apart while the GPU was otherwise idle but ~5.5 ms apart while the forward ran; loads cost
++8.5 ms a step as one group, +10.3 in 4 groups and +42.8 in 32 (each group also costs one
+engine batch and one reply, ~1 ms). Where the daemon's copies can run beside the engine's
+kernels (MPS), more groups let the first layers start early.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MAX_GROUPS = 4096  # the daemon's cap (LoadLayers: at most 4,097 segment_bounds)
-LOAD_GROUPS = 4  # groups a registered load is cut into (see the module docstring)
+LOAD_GROUPS = 1  # groups a registered load is cut into by default (module docstring)
 
 
 def layer_groups(layers: Sequence[range], num_segments: int,

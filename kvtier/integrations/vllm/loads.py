@@ -60,8 +60,9 @@ def rounds(transfers: Sequence[BlockTransfer], cap: int) -> list[list[_Piece]]:
 class LoadJob:
     def __init__(self, mover: BlockMover, transfers: Sequence[BlockTransfer],
                  layers: Sequence[range], *,
-                 before_layer: Callable[[int], None] | None = None) -> None:
+                 before_layer: Callable[[int], None] | None = None, groups: int = 1) -> None:
         self.mover, self.transfers, self.layers = mover, list(transfers), list(layers)
+        self.groups = groups  # registered: at most this many layer groups (``layer_groups``)
         self.got = [0] * len(self.transfers)
         self.error: BaseException | None = None
         self._before = before_layer
@@ -105,7 +106,7 @@ class LoadJob:
 
     def _groups(self) -> None:
         """Registered mode: every transfer layer by layer, side by side (module docstring)."""
-        bounds, group_of = layer_groups(self.layers, len(self.mover.rows.segments))
+        bounds, group_of = layer_groups(self.layers, len(self.mover.rows.segments), self.groups)
         first = {g: li for li, g in reversed(list(enumerate(group_of)))}
         streams: list[Iterator[int]] = []
         try:

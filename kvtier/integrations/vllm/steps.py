@@ -73,7 +73,7 @@ class WorkerSteps:
                  register: bool, staging_slots: int,
                  exchange: Callable[[set[int]], set[int]] | None = None,
                  layers: Mapping[str, range] | None = None, async_stores: bool = True,
-                 layer_loads: bool = True, store_timeout_s: float = 30.0,
+                 layer_loads: bool = True, load_groups: int = 1, store_timeout_s: float = 30.0,
                  before_layer: Callable[[int], None] | None = None,
                  on_stored: Callable[[], None] | None = None) -> None:
         self.link, self.rows, self.rank, self._log = link, rows, rank, log
@@ -88,6 +88,7 @@ class WorkerSteps:
         self._layer_index = {name: i for i, name in enumerate(layers)}
         self._layers = list(layers.values())
         self._async, self._layer_loads = async_stores, layer_loads
+        self._load_groups = load_groups  # registered loads: layer groups per load (``groups``)
         self._before_layer, self._on_stored = before_layer, on_stored
         self._stores = StoreQueue(store_timeout_s)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
@@ -146,7 +147,7 @@ class WorkerSteps:
         if mover is None:
             return
         job = LoadJob(mover, [self._keyed(t, len(t.keys)) for t in loads], self._layers,
-                      before_layer=self._before_layer)
+                      before_layer=self._before_layer, groups=self._load_groups)
         self._job = job
         if self._layer_loads:
             self._loader.submit(job.run)

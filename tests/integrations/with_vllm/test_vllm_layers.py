@@ -97,6 +97,7 @@ def worker(address: str, kv: KV, monkeypatch: pytest.MonkeyPatch, clock: Clock |
     monkeypatch.setattr(steps_module, "ClientBackend", MemfdBackend)
     link = DaemonLink(lambda: connect(address, tenant="t", timeout=3.0), "worker", log,
                       clock=clock or Clock())
+    kw.setdefault("load_groups", LAYERS)  # a group per layer (the connector's default is 1)
     return WorkerSteps(link, kv.rows, log, rank=Rank(), register=True, staging_slots=4,
                        layers=kv.ranges, **kw)
 
@@ -107,13 +108,15 @@ def stored(w: WorkerSteps, stores: list[BlockTransfer]) -> None:
 
 
 def test_layer_groups_follow_layer_boundaries() -> None:
-    assert layer_groups([range(0, 2), range(2, 4), range(4, 5)], 5) == ([0, 2, 4, 5], [0, 1, 2])
-    assert layer_groups([range(0, 0), range(0, 2), range(2, 2)], 2) == ([0, 2], [0, 0, 0])
+    assert layer_groups([range(0, 2), range(2, 4), range(4, 5)], 5, most=9) == (
+        [0, 2, 4, 5], [0, 1, 2])
+    assert layer_groups([range(0, 0), range(0, 2), range(2, 2)], 2, most=9) == ([0, 2], [0, 0, 0])
     whole = ([0, 4], [0, 0])
     assert layer_groups([range(2, 4), range(0, 2)], 4) == whole  # not in forward order
     assert layer_groups([range(0, 2), range(2, 3)], 4) == ([0, 4], [0, 0])  # not all segments
     eight = [range(2 * i, 2 * i + 2) for i in range(8)]  # 8 layers of a K and a V segment
-    assert layer_groups(eight, 16) == ([0, 4, 8, 12, 16], [0, 0, 1, 1, 2, 2, 3, 3])
+    assert layer_groups(eight, 16) == ([0, 16], [0] * 8)  # the default: one group
+    assert layer_groups(eight, 16, most=4) == ([0, 4, 8, 12, 16], [0, 0, 1, 1, 2, 2, 3, 3])
     assert layer_groups(eight, 16, most=3) == ([0, 6, 12, 16], [0, 0, 0, 1, 1, 1, 2, 2])
     assert layer_groups(eight, 16, most=1) == ([0, 16], [0] * 8)
     assert layer_groups(eight, 16, most=8)[1] == list(range(8))
@@ -215,7 +218,7 @@ def test_a_pool_lost_between_groups_confirms_no_block() -> None:
                 mover.close()  # detach: the next group finds no pool
 
         job = LoadJob(mover, [BlockTransfer("b", KEYS[:2], [4, 5])],
-                      list(kv.ranges.values()), before_layer=lose)
+                      list(kv.ranges.values()), before_layer=lose, groups=LAYERS)
         job.run()
         assert job.result() == [0] and job.error is not None
         assert torch.equal(kv.layers[0][4:6], kv.layers[0][0:2])  # group 0 had landed
