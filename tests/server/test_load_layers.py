@@ -46,8 +46,9 @@ class Registered:
 
 
 @pytest.fixture
-def daemon1(spawn: Callable[..., Daemon]) -> Daemon:
-    return spawn()
+def daemon1(daemon: Daemon) -> Daemon:
+    """The module's daemon: each test registers a pool of its own and keys of its own."""
+    return daemon
 
 
 @pytest.fixture
@@ -131,11 +132,12 @@ def test_another_tenants_pool_is_not_found(daemon1: Daemon,
     assert all(bool((s[2:4] == SENTINEL).all()) for s in r.segs)
 
 
-def test_a_client_that_walks_away_leaves_nothing_protected(daemon1: Daemon) -> None:
-    """64 groups, the stream closed after the first reply. The CPU tier (16 pages) is then
-    filled with fresh blocks: the abandoned load's 8 blocks must have left it (demoted to disk),
-    which a block still protected could not."""
-    with daemon1.client("walker") as c:
+def test_a_client_that_walks_away_leaves_nothing_protected(
+        spawn: Callable[..., Daemon]) -> None:
+    """64 groups, the stream closed after the first reply. The CPU tier (16 pages) of a daemon
+    of its own is then filled with fresh blocks: the abandoned load's 8 blocks must have left it
+    (demoted to disk), which a block still protected could not."""
+    with spawn().client("walker") as c:
         r = Registered(c, 64)
         keys = keys_of("walk", 8)
         assert c.store(r.att, keys, list(range(8))) == 8
