@@ -86,15 +86,8 @@ def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
     reused: Held = []
     with core.cond:
         pool = prefix.pool(pool_id)
-        window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-        share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
-        if share is not None:
-            window = max(1, min(window, share // pool.page_size))
         salted = [salt_key(pool.tenant, k) for k in keys]
-        stored = prefix.prefix(pool, salted)
-        # Blocks already in the CPU tier only need protecting; those below it need room there.
-        below = np.cumsum(~core.table.at(stored, Tier.CPU))
-        stored = stored[: int(np.searchsorted(below, window, side="right"))]
+        stored = prefix.lendable(pool, salted)
         tiers = _tiers(core, stored)
         n = len(stored) if plan is None else max(0, min(len(stored), int(plan(tiers))))
         rows = prefix.resident_prefix(pool, salted[:n])

@@ -34,7 +34,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.prefix.shared import Held, land, offer, unstage
 from kvtier.state.pool import Pool
 from kvtier.transfer.base import Moves
-from kvtier.types import Direction, PoolId, Tier
+from kvtier.types import Direction, PoolId
 
 if TYPE_CHECKING:
     from kvtier.prefix.store import PrefixStore
@@ -81,15 +81,9 @@ def load_layers(
             if staged is not None:
                 land(core, staged)
                 staged = None
-            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-            if core.ledger.active and (share := core.ledger.quota(pool.tenant).cpu) is not None:
-                window = max(1, min(window, share // pool.page_size))
             salted = [salt_key(pool.tenant, k) for k in keys]
-            # Blocks already in the CPU tier need no room there: only those below count.
-            stored = prefix.prefix(pool, salted)
-            below = np.cumsum(~core.table.at(stored, Tier.CPU))
-            salted = salted[: int(np.searchsorted(below, window, side="right"))]
-            rows = prefix.resident_prefix(pool, salted)  # protected until the end
+            lent = len(prefix.lendable(pool, salted))
+            rows = prefix.resident_prefix(pool, salted[:lent])  # protected until the end
             srcs, dsts = core.table.slot[rows], np.array(slots[: len(rows)], dtype=np.int64)
         n = len(rows)
         for lo, hi in pairwise(b):

@@ -254,13 +254,8 @@ class PrefixStore:
     def _load_windows(
         self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
     ) -> int:
-        # A window the CPU tier (and the tenant's CPU quota) can hold at once: a prefix longer
-        # than that is brought up from disk and copied in a window at a time.
-        core = self._core
-        window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-        share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
-        if share is not None:
-            window = max(1, min(window, share // pool.page_size))
+        # A prefix longer than a window is brought up from disk and copied a window at a time.
+        window = self.cpu_window(pool)
         loaded = 0
         while loaded < len(keys):
             part = keys[loaded : loaded + window]
@@ -269,6 +264,22 @@ class PrefixStore:
             if n < len(part):
                 break
         return loaded
+
+    def cpu_window(self, pool: Pool) -> int:
+        """Blocks of ``pool``'s size a load brings to the CPU tier at once: half the tier, and
+        no more than the tenant's CPU quota holds."""
+        core = self._core
+        window = max(1, core.host.capacity_bytes // pool.page_size // 2)
+        share = core.ledger.quota(pool.tenant).cpu if core.ledger.active else None
+        return window if share is None else max(1, min(window, share // pool.page_size))
+
+    def lendable(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
+        """Rows of the stored prefix of ``salted`` (lock held), up to (not past) the block that
+        would bring more than ``cpu_window`` blocks up from below the CPU tier: blocks already
+        there need no room in it."""
+        stored = self.prefix(pool, salted)
+        below = np.cumsum(~self._core.table.at(stored, Tier.CPU))
+        return stored[: int(np.searchsorted(below, self.cpu_window(pool), side="right"))]
 
     def _load_window(
         self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
