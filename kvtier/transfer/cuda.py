@@ -184,19 +184,26 @@ class _CudaHandler(TransferHandler):
         return list(self._arena.runs_array(size, slots))
 
     def _dma_runs(self, runs: list[tuple[torch.Tensor | int, int, int]], staging: torch.Tensor,
-                  size: int, to_host: bool) -> None:
-        """One DMA per host run between it and its rows of ``staging``, on the DMA stream."""
-        at, base = 0, staging.data_ptr()
+                  size: int, to_host: bool, part: tuple[int, int] | None = None) -> None:
+        """One DMA per host run between it and its rows of ``staging``, on the DMA stream; with
+        ``part`` (bytes ``[a, z)`` of each page, into the host only), a 2-D DMA of that range
+        of each page of the run into staging rows of ``z - a`` bytes."""
+        a, z = part or (0, size)
+        width, at, base = z - a, 0, staging.data_ptr()
         for run, lo, hi in runs:
             k = hi - lo
             if isinstance(run, int):
                 assert self._dma is not None
-                dst, src = (run, base + at * size) if to_host else (base + at * size, run)
-                self._dma.copy(dst, src, k * size, self._stream)
+                if width < size:
+                    self._dma.copy_2d(base + at * width, width, run + a, size, width, k,
+                                      self._stream)
+                else:
+                    dst, src = (run, base + at * size) if to_host else (base + at * size, run)
+                    self._dma.copy(dst, src, k * size, self._stream)
             elif to_host:
                 run.copy_(staging[at : at + k], non_blocking=True)
             else:
-                staging[at : at + k].copy_(run, non_blocking=True)
+                staging[at : at + k].copy_(run[:, a:z], non_blocking=True)
             at += k
 
     def _hand_over(self, src: torch.cuda.Stream, dst: torch.cuda.Stream) -> None:
@@ -256,46 +263,23 @@ class CudaRestore(_CudaHandler):
     def _copy(self, batch: Moves) -> None:
         pool, size, dsts = batch.pool, batch.page_size, batch.dsts
         assert pool is not None, "GPU<->CPU batch without a pool"
-        if batch.segments is not None:
-            self._copy_group(batch)
-            return
+        # A layer group (``segments``): its byte range of each CPU page, through a table of
+        # those segments only.
+        group = group_table(self._groups, pool, *batch.segments) if batch.segments else None
+        part = group[1] if group is not None else None
         runs = self._runs(size, batch.srcs)
         order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
         index = self._index(order)
-        staging, words = self._buffer(len(dsts), size)
-        self._dma_runs(runs, staging, size, to_host=False)
+        staging, words = self._buffer(len(dsts), part[1] - part[0] if part else size)
+        self._dma_runs(runs, staging, size, to_host=False, part=part)
         self._hand_over(self._stream, self._kernel)
         torch.cuda.set_stream(self._kernel)
-        rows = self._pool_rows(pool)
+        rows = self._pool_rows(pool) if group is None else None
         if rows is not None and words is not None:
             rows.index_copy_(0, index, words)
         else:
-            self._table(pool).scatter(index, staging)
-
-    def _copy_group(self, batch: Moves) -> None:
-        """Segments ``[lo, hi)`` of each page (a layer group): their byte range ``[a, z)`` of
-        each CPU page, one 2-D DMA per host run into staging rows of ``z - a`` bytes, then one
-        scatter through a table of those segments only."""
-        pool, size, (lo, hi) = batch.pool, batch.page_size, batch.segments or (0, 0)
-        assert pool is not None
-        table, (a, z) = group_table(self._groups, pool, lo, hi)
-        width, dsts = z - a, batch.dsts
-        runs = self._runs(size, batch.srcs)
-        order = dsts if len(runs) == 1 else _in_run_order(dsts, runs)
-        index = self._index(order)
-        staging, _ = self._buffer(len(dsts), width)
-        at, base = 0, staging.data_ptr()
-        for run, p, q in runs:
-            k = q - p
-            if isinstance(run, int):
-                assert self._dma is not None
-                self._dma.copy_2d(base + at * width, width, run + a, size, width, k, self._stream)
-            else:
-                staging[at : at + k].copy_(run[:, a:z], non_blocking=True)
-            at += k
-        self._hand_over(self._stream, self._kernel)
-        torch.cuda.set_stream(self._kernel)
-        table.scatter(index, staging)
+            table = group[0] if group is not None else self._table(pool)
+            table.scatter(index, staging)
 
 
 def _in_run_order(
