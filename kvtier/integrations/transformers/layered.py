@@ -106,7 +106,8 @@ class GroupCopier:
             return LayeredRestore(0)
         per_layer = lay.raw_bytes // lay.layers
         try:
-            staging = self._staged(n) if not self.direct else torch.empty(0, dtype=torch.uint8)
+            # Straight into kv where its rows are where the 2-D DMAs put them; else staged.
+            staging = None if self.direct and kv.is_contiguous() else self._staged(n)
             events: list[torch.cuda.Event] = []
             if self._stream is not None:  # after what the caller queued on kv so far
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -138,8 +139,8 @@ class GroupCopier:
                        (hi - lo) * rows, stream)
 
     def _copy_group(self, kv: torch.Tensor, views: Sequence[torch.Tensor],
-                    staging: torch.Tensor, lo: int, hi: int, per_layer: int) -> None:
-        if self.direct and kv.is_contiguous():
+                    staging: torch.Tensor | None, lo: int, hi: int, per_layer: int) -> None:
+        if staging is None:
             self._copy_direct(kv, views, lo, hi)
             return
         lay, n = self.layout, len(views)

@@ -184,3 +184,25 @@ def test_a_restore_dropped_without_release_returns_the_pages(model, engine) -> N
         gc.collect()
         with c.cond:
             assert int(c.table.protect.sum()) == 0
+
+
+@pytest.mark.cuda
+def test_a_non_contiguous_buffer_is_restored_through_staging_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = random_llama(SHAPE, seed=5).cuda()
+    cfg = OffloadConfig(device="cuda", cpu_memory_gb=0.25, gpu_memory_gb=0.25)
+    ids = tokens(100, 12)
+    with TierEngine(cfg) as eng, conversation(eng, model, tenant="t") as store:
+        src = StaticPrefill(model, 256, step=32, graphs=False)
+        src.extend(ids, 0)
+        store.save(src.kv, ids)
+        wide = torch.full((SHAPE.layers, 2, SHAPE.kv_heads, 512, SHAPE.head_dim), float("nan"),
+                          device="cuda")
+        kv = wide[:, :, :, :256]  # capacity 256 inside rows of 512: not contiguous
+        restore = store.restore_layered(kv, [*ids, 1], [0, 2, 4])
+        restore.wait_all()
+        restore.release()
+        assert restore.tokens == 96
+        assert torch.equal(kv[:, :, :, :96], src.kv[:, :, :, :96])
+        assert torch.isnan(wide[:, :, :, 96:]).all()
