@@ -154,13 +154,17 @@ class KVTier(KVTierEager):
             self.planner.observe(plan, self.restore_s)  # what a load costs beyond the bytes
         if len(prompt) - n <= self.graph_suffix:
             return n, self.prefill.first_token(prompt, n)
+        return n, self.long_suffix(prompt, n)
+
+    def long_suffix(self, prompt: list[int], n: int) -> int:
+        """The first token of a prompt whose uncached suffix is longer than the captured graphs."""
         if n == 0:  # the plan recomputes it all: exactly what recompute runs (KV copied after)
             self._recomputed = DynamicCache(config=self.model.config)
-            return 0, first_token(self.model, prompt, self._recomputed)
-        # A long suffix (blocks left to recompute): eager; capturing a graph would be timed here.
+            return first_token(self.model, prompt, self._recomputed)
+        # Blocks left to recompute: eager; capturing a graph would be timed here.
         self.prefill.graphs, graphs = False, self.prefill.graphs
         try:
-            return n, self.prefill.first_token(prompt, n)
+            return self.prefill.first_token(prompt, n)
         finally:
             self.prefill.graphs = graphs
 
@@ -204,14 +208,7 @@ class KVTierLayered(KVTier):
             if len(prompt) - n <= self.graph_suffix:
                 return n, self.prefill.first_token_staged(prompt, n, restore.wait)
             restore.wait_all()
-            if n == 0:
-                self._recomputed = DynamicCache(config=self.model.config)
-                return 0, first_token(self.model, prompt, self._recomputed)
-            self.prefill.graphs, graphs = False, self.prefill.graphs
-            try:
-                return n, self.prefill.first_token(prompt, n)
-            finally:
-                self.prefill.graphs = graphs
+            return n, self.long_suffix(prompt, n)
         finally:
             restore.release()
 
