@@ -29,6 +29,11 @@ Contract:
       device (every GPU lane when ``device`` is None; the disk lane for any) whose next batch
       is a plain (not urgent) offload keeps one batch in flight instead of its depth: the copy
       engine stays busy, the launch work waits, the restore's thread gets the interpreter.
+    * ``lend(direction, device, pause)``: an idle GPU lane whose handler only queues work is lent
+      to one caller, who launches, waits for and completes its own copy batches on its own
+      thread (``kvtier/loan.py``); the lane takes its queue again when the loan is given back,
+      or at the first batch that finds other work queued. Completions of a loan's batches run
+      on the caller's thread, not the lane's.
     * ``cancel(batch, rows)`` takes the columns of page-table ``rows`` out of a still-queued batch
       and returns them as ``(rows, srcs, dsts)`` (empty when the batch was already taken).
     * ``on_complete(batch, results, seconds)`` is called on the lane thread after every batch,
@@ -48,6 +53,8 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from kvtier.errors import Unavailable
+from kvtier.lanes import TAIL_PAGES, Lane, Pending, failed
+from kvtier.loan import LaneLoan
 from kvtier.transfer.base import Moves, TransferHandler, lane_of
 from kvtier.types import Direction, Tier
 
@@ -55,10 +62,6 @@ log = logging.getLogger(__name__)
 _NONE = np.empty(0, dtype=np.int64)
 CompleteFn = Callable[[Moves, list[bool], float], object]  # any return is ignored
 TryCompleteFn = Callable[[Moves, list[bool], float], bool]
-# A drain ends on batches down to ``batch_bytes // TAIL_FLOOR`` and ``TAIL_PAGES`` pages: the
-# completion after the last copy costs per page, a launch per batch (large pages: no halving).
-TAIL_FLOOR = 8
-TAIL_PAGES = 512
 SHARED_LANE = "disk"  # the lane below the CPU, there even without handlers (as it always was)
 
 
@@ -72,97 +75,9 @@ def _kinds(handlers: Mapping[Direction, TransferHandler]) -> list[str]:
     return list(dict.fromkeys(lane for _, lane in sorted(gpu)))
 
 
-class _Pending:
-    __slots__ = ("batch", "direction", "nbytes", "start", "waiter")
-
-    def __init__(self, batch: Moves, waiter: Callable[[], list[bool]], start: float) -> None:
-        self.batch, self.waiter, self.start = batch, waiter, start
-        self.nbytes = batch.nbytes
-        self.direction = batch.direction
-
-
 def _pool_device(batch: Moves) -> str | None:
     """A batch's GPU: its pool's device (None for disk batches)."""
     return batch.pool.device if batch.pool is not None else None
-
-
-def _failed(n: int) -> Callable[[], list[bool]]:
-    return lambda: [False] * n
-
-
-class _Lane:
-    """Four FIFO queues of batches, served in order: urgent restores, restores, urgent offloads,
-    offloads."""
-
-    def __init__(
-        self,
-        name: str,
-        lock: threading.Lock | None = None,
-        handlers: Mapping[Direction, TransferHandler] | None = None,
-        device: str | None = None,
-    ) -> None:
-        self.name = name
-        self.handlers = dict(handlers or {})  # the directions this lane launches
-        self.device = device  # its GPU (None: the disk lane, shared by every GPU)
-        self.group = device or ""  # whose in-flight bound it counts against
-        self.queues: tuple[deque[Moves], ...] = (deque(), deque(), deque(), deque())
-        self.thread: threading.Thread | None = None
-        # The lane sleeps on its own condition (the scheduler's lock): a submit wakes the lanes
-        # it queued to, a completion the lanes with queued work (waiting for in-flight room);
-        # an idle lane is never woken for another lane's batches.
-        self.cond = threading.Condition(lock)
-        # Batches in flight: the least its handlers allow.
-        self.depth = max(1, min((h.depth for h in self.handlers.values()), default=2))
-
-    def queue_for(self, batch: Moves) -> deque[Moves]:
-        return self.queues[(0 if batch.urgent else 1) + (0 if batch.direction.is_restore else 2)]
-
-    def _head(self) -> deque[Moves] | None:
-        return next((q for q in self.queues if q), None)
-
-    def has_work(self) -> bool:
-        return self._head() is not None
-
-    def plain_offload_next(self) -> bool:
-        """Whether the next batch would be a plain (not urgent) offload."""
-        return self._head() is self.queues[3]
-
-    def count(self, restores: bool) -> int:
-        """Queued page moves (columns) of restores or of offloads."""
-        return sum(len(b) for q in (self.queues[:2] if restores else self.queues[2:]) for b in q)
-
-    def peek_bytes(self, batch_bytes: int) -> int:
-        queue = self._head()
-        return min(batch_bytes, queue[0].nbytes) if queue else 0
-
-    def take(self, batch_bytes: int, least_pages: int | None = None) -> Moves:
-        """The head queue's next batch, up to ``batch_bytes`` (at least one column): a larger
-        queued batch is split, and following compatible ones are joined while there is room.
-        With ``least_pages``, when the queue's last batch is ``final`` (its producer is done)
-        and less than two batches' worth is queued: half of it, but not less than
-        ``least_pages`` pages nor ``batch_bytes // TAIL_FLOOR``, so a drain ends on small
-        batches (never while a producer is still feeding the queue)."""
-        queue = self._head()
-        assert queue is not None
-        first = queue[0]
-        least_bytes = batch_bytes
-        if least_pages is not None:
-            least_bytes = max(least_pages * first.page_size, batch_bytes // TAIL_FLOOR)
-        if least_bytes < batch_bytes and queue[-1].final:
-            queued = sum(b.nbytes for b in queue)
-            if queued < 2 * batch_bytes:
-                batch_bytes = max(least_bytes, queued // 2)
-        k = max(1, batch_bytes // first.page_size)
-        if len(first) > k:
-            return first.take(k)
-        batch = queue.popleft()
-        while queue and len(batch) < k and batch.compatible(queue[0]):
-            room = k - len(batch)
-            if len(queue[0]) > room:
-                batch.join(queue[0].take(room))
-                break
-            batch.join(queue.popleft())
-        return batch
 
 
 class TransferScheduler:
@@ -190,7 +105,7 @@ class TransferScheduler:
         self._device_of = device_of
         self._default = device
         self._lock = threading.Lock()
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, Lane] = {}
         self._kind = {d: lane_of(d, h) for d, h in handlers.items()}  # direction -> lane name
         self._add_lanes(device, "", handlers)
         shared: dict[str, dict[Direction, TransferHandler]] = {SHARED_LANE: {}}
@@ -198,7 +113,7 @@ class TransferScheduler:
             if not _gpu_side(d):
                 shared.setdefault(lane_of(d, h), {})[d] = h
         for name, mine in shared.items():
-            self._lanes[name] = _Lane(name, self._lock, mine, None)
+            self._lanes[name] = Lane(name, self._lock, mine, None)
             self._lanes[name].group = device  # shared lanes share the default GPU's bound
         for gpu, more in (gpus or {}).items():
             if gpu != device:
@@ -221,9 +136,9 @@ class TransferScheduler:
         """One lane per lane name of the GPU<->CPU ``handlers`` (``up``, ``down``)."""
         for kind in _kinds(handlers):
             mine = {d: h for d, h in handlers.items() if _gpu_side(d) and lane_of(d, h) == kind}
-            self._lanes[kind + suffix] = _Lane(kind + suffix, self._lock, mine, device)
+            self._lanes[kind + suffix] = Lane(kind + suffix, self._lock, mine, device)
 
-    def _lane_of(self, batch: Moves) -> _Lane | None:
+    def _lane_of(self, batch: Moves) -> Lane | None:
         """The lane serving ``batch``: its device's lane of its kind (``up``/``down``), or a
         shared one below the CPU; None when no handler serves its direction."""
         kind = self._kind.get(batch.direction)
@@ -273,6 +188,37 @@ class TransferScheduler:
                 queue.remove(batch)
             return cols
 
+    def lend(
+        self, direction: Direction, device: str | None, pause: Callable[[], object] | None = None
+    ) -> LaneLoan:
+        """The lane of ``direction``'s batches on ``device``, lent to the caller if it is idle
+        and its handler only queues work (``kvtier/loan.py``); ``pause``: what the caller does
+        while its copies catch up (default: a short sleep)."""
+        kind = self._kind.get(direction)
+        lane = None
+        if kind is not None and _gpu_side(direction):
+            lane = self._lanes.get(f"{kind}@{device}") or self._lanes.get(kind)
+        with self._lock:
+            handler = lane.handlers.get(direction) if lane is not None else None
+            if (
+                lane is None or handler is None or not handler.queued or self._closed
+                or lane.lent or not lane.idle()
+                or (not direction.is_restore and self._restoring_for(lane))
+            ):
+                lane = None
+            else:
+                lane.lent = True
+        return LaneLoan(lane, self._lock, self._take_room, self._settle, lambda: self._closed,
+                        pause)
+
+    def _take_room(self, lane: Lane, nbytes: int) -> bool:
+        """Count ``nbytes`` in flight on ``lane``'s GPU if the bound leaves room (lock held)."""
+        used = self._inflight[lane.group]
+        if used and used + nbytes > self._max_inflight:
+            return False
+        self._inflight[lane.group] = used + nbytes
+        return True
+
     @contextlib.contextmanager
     def restore_first(self, device: str | None = None) -> Iterator[None]:
         """Restores first on the interpreter too: while any caller is inside this block (an
@@ -290,7 +236,7 @@ class TransferScheduler:
             with self._restoring_lock:
                 self._restoring[device] -= 1
 
-    def _restoring_for(self, lane: _Lane) -> bool:
+    def _restoring_for(self, lane: Lane) -> bool:
         """Whether a restore waits that ``lane`` must give way to."""
         counts = self._restoring
         if lane.device is None:
@@ -309,14 +255,14 @@ class TransferScheduler:
         return sum(self._inflight.values())
 
     # -- lanes ------------------------------------------------------------------------------------
-    def _loop(self, lane: _Lane) -> None:
+    def _loop(self, lane: Lane) -> None:
         """Launch the next batches before waiting on the oldest (up to the lane's depth in
         flight), so Python work and hold-ups hide behind the copies. A copied batch whose
         completion cannot run at once (``try_complete`` refused: a caller holds the engine lock)
         waits in ``done`` while the lane keeps launching; it is completed, in order, as soon as
         it can be, and always before the lane sleeps."""
-        pending: deque[_Pending] = deque()
-        done: deque[tuple[_Pending, list[bool], float]] = deque()
+        pending: deque[Pending] = deque()
+        done: deque[tuple[Pending, list[bool], float]] = deque()
         while True:
             batch: Moves | None = None
             with self._lock:
@@ -330,6 +276,7 @@ class TransferScheduler:
                 if more and len(pending) < depth:
                     batch = lane.take(self._batch_bytes, TAIL_PAGES)
                     self._inflight[lane.group] += batch.nbytes
+                    lane.active += 1
             if batch is not None:
                 pending.append(self._launch(lane, batch))
                 if len(pending) < depth:
@@ -344,13 +291,13 @@ class TransferScheduler:
             most = 1 if more else len(done)
             self._complete(lane, done, block=not pending and not more, most=most)
 
-    def _ready(self, lane: _Lane) -> bool:
+    def _ready(self, lane: Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
         want = lane.peek_bytes(self._batch_bytes)
         used = self._inflight[lane.group]
-        return want > 0 and (not used or used + want <= self._max_inflight)
+        return not lane.lent and want > 0 and (not used or used + want <= self._max_inflight)
 
-    def _launch(self, lane: _Lane, batch: Moves) -> _Pending:
+    def _launch(self, lane: Lane, batch: Moves) -> Pending:
         handler = lane.handlers[batch.direction]
         start = time.perf_counter()
         try:
@@ -359,10 +306,10 @@ class TransferScheduler:
             log.exception(
                 "launching a %s batch of %d pages failed", batch.direction.name, len(batch)
             )
-            waiter = _failed(len(batch))
-        return _Pending(batch, waiter, start)
+            waiter = failed(len(batch))
+        return Pending(batch, waiter, start)
 
-    def _wait(self, lane: _Lane, pending: _Pending) -> tuple[_Pending, list[bool], float]:
+    def _wait(self, lane: Lane, pending: Pending) -> tuple[Pending, list[bool], float]:
         """Wait for a launched batch's copies: its results and busy seconds."""
         batch = pending.batch
         try:
@@ -379,7 +326,7 @@ class TransferScheduler:
         return pending, results, busy
 
     def _complete(
-        self, lane: _Lane, done: deque[tuple[_Pending, list[bool], float]], block: bool,
+        self, lane: Lane, done: deque[tuple[Pending, list[bool], float]], block: bool,
         most: int,
     ) -> None:
         """Complete up to ``most`` copied batches in order; without ``block``, stop at the first
@@ -396,11 +343,25 @@ class TransferScheduler:
             except Exception:  # the engine's completion must never kill a lane
                 log.exception("completing a %s batch failed", pending.direction.name)
             done.popleft()
-            with self._lock:
-                self._inflight[lane.group] -= pending.nbytes
-                for other in self._lanes.values():  # room in flight: only for queued work
-                    if other is not lane and other.has_work():
-                        other.cond.notify()
+            self._out_of_flight(lane, pending)
+
+    def _out_of_flight(self, lane: Lane, pending: Pending) -> None:
+        """A completed batch no longer counts in flight: wake the lanes waiting for room."""
+        with self._lock:
+            self._inflight[lane.group] -= pending.nbytes
+            lane.active -= 1
+            for other in self._lanes.values():  # room in flight: only for queued work
+                if other is not lane and other.has_work():
+                    other.cond.notify()
+
+    def _settle(self, lane: Lane, pending: Pending) -> None:
+        """A lent lane's batch (``kvtier/loan.py``), copied: completed on the caller's thread."""
+        _, results, busy = self._wait(lane, pending)
+        try:
+            self._on_complete(pending.batch, results, busy)
+        except Exception:
+            log.exception("completing a %s batch failed", pending.direction.name)
+        self._out_of_flight(lane, pending)
 
     def close(self, grace: float = 10.0) -> None:
         """Finish batches in flight (bounded by ``grace``), fail everything still queued."""

@@ -1,7 +1,8 @@
 """Copies of keyed blocks between pool slots and CPU pages, gathered into engine batches.
 
-* ``Copies(pool, direction)``: ``add`` columns of copies, ``submit`` them as one batch (urgent
-  for a load); ``sent`` keeps each batch with its rows;
+* ``Copies(pool, direction, loan)``: ``add`` columns of copies, ``submit`` them as one batch
+  (urgent for a load), launched on the caller's thread while it holds the lane on ``loan``
+  (``kvtier/loan.py``), else queued; ``sent`` keeps each batch with its rows;
 * ``succeeded(sent)``: the rows whose copies succeeded; ``done(batch)``: all results are in;
 """
 
@@ -12,6 +13,7 @@ import time
 import numpy as np
 
 from kvtier.core import EngineCore
+from kvtier.loan import LaneLoan
 from kvtier.state.pool import Pool
 from kvtier.state.table import EMPTY
 from kvtier.transfer.base import Moves
@@ -32,8 +34,8 @@ def done(batch: Moves) -> bool:
 class Copies:
     """Copy columns of stored blocks, gathered until submitted as one batch."""
 
-    def __init__(self, pool: Pool, direction: Direction) -> None:
-        self.pool, self.direction = pool, direction
+    def __init__(self, pool: Pool, direction: Direction, loan: LaneLoan | None = None) -> None:
+        self.pool, self.direction, self.loan = pool, direction, loan
         self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.sent: list[tuple[Moves, np.ndarray]] = []  # each batch submitted, with its rows
 
@@ -50,6 +52,8 @@ class Copies:
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
         self.sent.append((batch, rows))
+        if self.loan is not None and self.loan.launch(batch):
+            return [batch]
         core.scheduler.submit([batch])
         # Offer the interpreter to the lane now: the caller goes on with the next chunk's
         # bookkeeping, and the launch should not wait a whole switch interval for it.

@@ -34,6 +34,7 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
+from kvtier.loan import PAUSE_S, LaneLoan
 from kvtier.prefix.copies import Copies, done, succeeded
 from kvtier.prefix.shared import Held, Staged, Stager, hold, land, offer, unstage
 from kvtier.state.pool import Pool
@@ -119,21 +120,23 @@ class PrefixStore:
             pool = self.pool(pool_id)
             keys, slots = self.args(pool, keys, slots)
             stored, at, full = 0, 0, True
-            pending = Copies(pool, Direction.GPU_TO_CPU)
             started: list[Moves] = []  # each chunk's copies start before the next is hashed
-            for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
-                for key, slot in zip(keys[at : at + size], slots[at : at + size], strict=True):
-                    salted = salt_key(pool.tenant, key)
-                    if salted in todo or core.table.keyed(salted) is not None:
-                        stored += 1  # already stored (or earlier in this call): not rewritten
-                        continue
-                    todo[salted] = slot
-                at += size
-                full = self._store_chunk(pool, list(todo.items()), pending, started)
-                started += pending.submit(core)
-                if not full:
-                    break
+            with self.lend(pool, Direction.GPU_TO_CPU) as loan:
+                pending = Copies(pool, Direction.GPU_TO_CPU, loan)
+                for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                    todo: dict[bytes, int] = {}  # salted key -> its slot, first occurrence
+                    for key, slot in zip(keys[at : at + size], slots[at : at + size],
+                                         strict=True):
+                        salted = salt_key(pool.tenant, key)
+                        if salted in todo or core.table.keyed(salted) is not None:
+                            stored += 1  # already stored (or earlier in this call)
+                            continue
+                        todo[salted] = slot
+                    at += size
+                    full = self._store_chunk(pool, list(todo.items()), pending, started)
+                    started += pending.submit(core)
+                    if not full:
+                        break
             self.wait(started)
             held: Held = []
             if core.remote is not None and core.remote.admission == "always":
@@ -186,7 +189,14 @@ class PrefixStore:
             busy = restores or offloads or core.scheduler.inflight_bytes
             if not busy and all(done(b) for b in started):
                 return got  # nothing under way will free a slot
+            if pending.loan is not None:
+                pending.loan.give_back()  # the lane's own queue goes on while this waits
             core.cond.wait(0.01)
+
+    def lend(self, pool: Pool, direction: Direction) -> LaneLoan:
+        """``pool``'s lane on loan (``kvtier/loan.py``): pauses wait on the engine lock."""
+        pause = functools.partial(self._core.cond.wait, PAUSE_S)
+        return self._core.scheduler.lend(direction, pool.dev.device, pause)
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Tier]:
         check_name("tenant", tenant)
@@ -293,15 +303,16 @@ class PrefixStore:
         at = 0
         salted = Salted(pool.tenant, keys)
         try:
-            for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                rows = self.resident_prefix(pool, salted.span(at, at + size))
-                held.append(rows)
-                batches += self._copy_in(pool, rows, slots[at : at + len(rows)])
-                if not at and len(rows) == size:  # the first copy is under way: queue the
-                    self._read_ahead(pool, salted.span(size, len(keys)))  # rest's disk reads
-                at += len(rows)
-                if len(rows) < size:
-                    break
+            with self.lend(pool, Direction.CPU_TO_GPU) as loan:
+                for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                    rows = self.resident_prefix(pool, salted.span(at, at + size), loan)
+                    held.append(rows)
+                    batches += self._copy_in(pool, rows, slots[at : at + len(rows)], loan)
+                    if not at and len(rows) == size:  # the first copy is under way: queue
+                        self._read_ahead(pool, salted.span(size, len(keys)))  # disk reads
+                    at += len(rows)
+                    if len(rows) < size:
+                        break
             self.wait(batches)
         finally:
             for rows in held:
@@ -344,17 +355,22 @@ class PrefixStore:
         core.remote.fetch_each(salted, pool.page_size, stager.take)
         return stager.staged(salted)
 
-    def _copy_in(self, pool: Pool, rows: np.ndarray, slots: list[int]) -> list[Moves]:
+    def _copy_in(
+        self, pool: Pool, rows: np.ndarray, slots: list[int], loan: LaneLoan | None = None
+    ) -> list[Moves]:
         """Start copying CPU-resident keyed pages into pool slots (urgent: a load waits)."""
         if not len(rows):
             return []
-        copies = Copies(pool, Direction.CPU_TO_GPU)
+        copies = Copies(pool, Direction.CPU_TO_GPU, loan)
         copies.add(rows, self._core.table.slot[rows], np.array(slots, dtype=np.int64))
         return copies.submit(self._core, urgent=True)
 
-    def resident_prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
+    def resident_prefix(
+        self, pool: Pool, salted: list[bytes], loan: LaneLoan | None = None
+    ) -> np.ndarray:
         """Rows of the longest stored prefix of ``salted`` (keys salted for ``pool``'s tenant),
-        brought to the CPU tier and returned protected.
+        brought to the CPU tier and returned protected (a ``loan`` is given back before
+        waiting for disk reads).
 
         Pages already in CPU are protected as soon as they are seen, so bringing the rest up
         from disk can't push them back down.
@@ -366,6 +382,8 @@ class PrefixStore:
         if t.at(rows, Tier.CPU).all():  # the common case: the whole prefix in the CPU tier
             core.protect(rows)
             return rows
+        if loan is not None:
+            loan.give_back()
         try:
             while True:
                 rows = self.prefix(pool, salted)

@@ -142,11 +142,27 @@ class Moves:
         target.results[self.at : self.at + len(results)] = results
 
 
+class Queued:
+    """What a queueing handler's ``launch`` returns: call it to wait for the batch's results;
+    ``ready()`` says, without waiting, whether its copies are done."""
+
+    __slots__ = ("_wait", "ready")
+
+    def __init__(self, wait: Callable[[], list[bool]], ready: Callable[[], bool]) -> None:
+        self._wait, self.ready = wait, ready
+
+    def __call__(self) -> list[bool]:
+        return self._wait()
+
+
 class TransferHandler(ABC):
     """Moves batches of pages in one direction. See the module docstring."""
 
     direction: Direction
     depth = 2  # batches a lane may keep in flight on this handler (launched, not yet waited)
+    # ``launch`` only queues the copies on the device and returns a ``Queued``: cheap enough
+    # for a caller holding the lane on loan (``kvtier/loan.py``) to call on its own thread.
+    queued = False
     # The scheduler lane that runs this handler's batches: the scheduler makes one lane per
     # name (per GPU for GPU<->CPU handlers). None: ``lane_of``'s default for the direction.
     lane: str | None = None

@@ -26,7 +26,7 @@ import torch
 from kvtier.tiers.device import DevicePool
 from kvtier.tiers.pinned import HostArena
 from kvtier.transfer import dma
-from kvtier.transfer.base import Moves, TransferHandler
+from kvtier.transfer.base import Moves, Queued, TransferHandler
 from kvtier.transfer.gather import wide
 from kvtier.transfer.segtable import GroupTables, SegmentTable, group_table
 from kvtier.types import Direction
@@ -34,6 +34,7 @@ from kvtier.types import Direction
 
 class _CudaHandler(TransferHandler):
     depth = 3
+    queued = True
 
     def __init__(
         self,
@@ -171,7 +172,7 @@ class _CudaHandler(TransferHandler):
             done.synchronize()
             return [True] * n
 
-        return wait
+        return Queued(wait, done.query)
 
     def _copy(self, batch: Moves) -> None:
         """Queue the batch's copies (from the entry stream); they end on the exit stream."""

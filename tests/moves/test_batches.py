@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.scheduler import _Lane
+from kvtier.lanes import Lane as _Lane
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction
 

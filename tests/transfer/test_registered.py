@@ -9,6 +9,8 @@ path; the ``cuda`` variant the one-launch segment-table kernels.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from kvtier.client.block_rows import block_segments
@@ -102,3 +104,58 @@ def test_chunked_load_stops_at_the_first_miss(monkeypatch: pytest.MonkeyPatch) -
             assert torch.equal(page_of(segments, b), kept), f"block {b} written"
     finally:
         engine.close()
+
+
+def racing_tenants(device: str) -> tuple[list[int], set[int | None]]:
+    """Four tenants store and load their own blocks at once, over and over: each load gives
+    back exactly its tenant's bytes. The ids of the threads that launched load batches, and
+    of the up lane's thread."""
+    engine = engine_for(device, 4 * 2 * 16 * 2 * 32 * 2, batch_pages=4)
+    launched: list[int] = []
+    for handler in engine._core.scheduler._lanes["up"].handlers.values():  # spy on launches
+        real = handler.launch
+        handler.launch = lambda b, real=real: (launched.append(threading.get_ident()), real(b))[1]
+    errors: list[str] = []
+
+    def tenant(name: str) -> None:
+        layers = kv_layers("flash", device)
+        segments = [s for t in layers for s in block_segments(t, BLOCKS)]
+        pool = engine.register(name, segments)
+        for round_ in range(6):
+            keys = [f"{name}-{round_}-{b}".encode() for b in range(12)]
+            want = [page_of(segments, b) for b in range(12)]
+            if engine.store(pool.pool_id, keys, list(range(12))) != 12:
+                errors.append(f"{name}: store {round_} short")
+            for t in layers:
+                t.view(torch.int16).add_(1)
+            if engine.load(pool.pool_id, keys, list(range(20, 32))) != 12:
+                errors.append(f"{name}: load {round_} short")
+            for i in range(12):
+                if not torch.equal(page_of(segments, 20 + i), want[i]):
+                    errors.append(f"{name}: round {round_} block {20 + i} differs")
+
+    try:
+        threads = [threading.Thread(target=tenant, args=(f"t{i}",)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads) and not errors, errors[:5]
+        lane = {t.ident for t in threading.enumerate() if t.name == "kvtier-up"}
+        return launched, lane
+    finally:
+        engine.close()
+
+
+def test_racing_tenants_keep_exact_bytes_cpu() -> None:
+    racing_tenants("cpu")
+
+
+@pytest.mark.cuda
+def test_racing_tenants_keep_exact_bytes_cuda() -> None:
+    """On CUDA an idle lane is lent to the caller (``kvtier/loan.py``): some loads launch on
+    the calling threads, the rest on the lane's thread when the lane was busy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    launched, lane = racing_tenants("cuda:0")
+    assert lane and launched and any(t not in lane for t in launched)
