@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.prefix.salt import salt_keys
 from kvtier.prefix.shared import Held, offer
 from kvtier.types import PoolId, Tier
 from kvtier.validate import check_keys
@@ -79,14 +80,12 @@ class Borrowed:
 
 def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
            plan: Plan | None = None) -> Borrowed:
-    from kvtier.prefix.store import salt_key
-
     keys = check_keys("keys", keys)
     core = prefix.core
     reused: Held = []
     with core.cond:
         pool = prefix.pool(pool_id)
-        salted = [salt_key(pool.tenant, k) for k in keys]
+        salted = salt_keys(pool.tenant, keys)
         stored = prefix.lendable(pool, salted)
         tiers = _tiers(core, stored)
         n = len(stored) if plan is None else max(0, min(len(stored), int(plan(tiers))))

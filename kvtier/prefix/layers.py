@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.errors import InvalidArgument
+from kvtier.prefix.salt import salt_keys
 from kvtier.prefix.shared import Held, land, offer, unstage
 from kvtier.state.pool import Pool
 from kvtier.transfer.base import Moves
@@ -66,8 +67,6 @@ def load_layers(
     slots: Sequence[int],
     bounds: Sequence[int],
 ) -> Iterator[int]:
-    from kvtier.prefix.store import salt_key
-
     core = prefix.core
     with core.cond:
         pool = prefix.pool(pool_id)
@@ -81,7 +80,7 @@ def load_layers(
             if staged is not None:
                 land(core, staged)
                 staged = None
-            salted = [salt_key(pool.tenant, k) for k in keys]
+            salted = salt_keys(pool.tenant, keys)
             lent = len(prefix.lendable(pool, salted))
             rows = prefix.resident_prefix(pool, salted[:lent])  # protected until the end
             srcs, dsts = core.table.slot[rows], np.array(slots[: len(rows)], dtype=np.int64)

@@ -318,6 +318,13 @@ class PageTable:
         self.key_of[row] = key
         self.tenant_of[row] = tenant
 
+    def add_keys(self, rows: np.ndarray, keys: list[bytes], tenant: str) -> None:
+        """``add_key`` of each row with its key, all of one tenant."""
+        ids = rows.tolist()
+        self.by_key.update(zip(keys, ids, strict=True))
+        self.key_of.update(zip(ids, keys, strict=True))
+        self.tenant_of.update(dict.fromkeys(ids, tenant))
+
     def of_pool(self, pool_id: PoolId) -> np.ndarray:
         live = self.state[: self._high] != _S_NONE
         return np.flatnonzero(live & (self.pool[: self._high] == pool_id)).astype(np.int64)
