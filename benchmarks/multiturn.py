@@ -59,6 +59,7 @@ from multiturn_modes import (
     KVTierLayered,
     Mode,
     Recompute,
+    RecomputeAgain,
     first_token,
     sync,
     user_tokens,
@@ -223,6 +224,7 @@ def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.
     tight = page * ctx_pages  # one conversation: the others' prefixes live on disk
     table: dict[str, Callable[[], Mode | GroupedKVTier]] = {
         "recompute": lambda: Recompute(model),
+        "recompute-again": lambda: RecomputeAgain(model),
         "kvtier-cpu": lambda: KVTier("kvtier-cpu", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "kvtier-disk": lambda: planned(KVTier("kvtier-disk", model, engine_config(

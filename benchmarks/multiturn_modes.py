@@ -66,6 +66,13 @@ class Recompute(Mode):
         return 0, first_token(self.model, prompt, DynamicCache(config=self.model.config))
 
 
+class RecomputeAgain(Recompute):
+    """Recompute once more: with ``--paired``, each turn against the recompute just before it
+    (the same work twice), so its ratios are the run's noise floor."""
+
+    name = "recompute-again"
+
+
 class KVTierEager(Mode):
     """Restore the prefix into a ``DynamicCache``, prefill eagerly, store prompt + reply."""
 
@@ -139,9 +146,11 @@ class KVTier(KVTierEager):
         from kvtier.client._backend import round_page
 
         page = round_page(self.store.layout.raw_bytes)  # the bytes a block moves
-        # Costs re-read every 0.5 s: a plan is made under the engine lock (engine.borrow).
+        # A plan is made under the engine lock (engine.borrow): the costs are read after each
+        # turn (``after``), off the time to first token, not by the plan.
         self.planner = LoadPlanner(self.store.layout.block_size, page, prefill, costs,
-                                   refresh_s=0.5)
+                                   refresh_s=3600.0)
+        self.planner.refresh()
 
     def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
         start = time.perf_counter()
@@ -180,6 +189,8 @@ class KVTier(KVTierEager):
         # Decoding the reply (hundreds of tokens, seconds) outlasts the moves the save set off
         # (a tight CPU tier demoting to disk: ~0.1 s): they are done before the next prompt.
         self.engine.wait_idle(10.0)
+        if self.planner is not None:
+            self.planner.refresh()
 
 
 class KVTierLayered(KVTier):

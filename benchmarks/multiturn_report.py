@@ -74,11 +74,17 @@ def against_recompute(rows: list[Turn], mode: str) -> dict[str, Any] | None:
     per_turn = [statistics.mean(a for a, _ in v) / statistics.mean(b for _, b in v)
                 for v in turns.values()]
     excess = max(r.ttft_s - ref[(r.conv, r.turn)] for r in sel)
+    by_choice: dict[str, list[float]] = {}  # per planner choice ("" without a planner)
+    for r, x in zip(sel, ratios, strict=True):
+        by_choice.setdefault(r.choice, []).append(x)
     return dict(paired=bool(paired), turns_slower=sum(x > 1 for x in ratios),
                 turns=len(ratios), worst_ratio=max(ratios),
                 worst_excess_ms=round(1000 * excess, 2),
                 turn_means_slower=sum(x > 1 for x in per_turn),
-                worst_turn_mean_ratio=max(per_turn))
+                worst_turn_mean_ratio=max(per_turn),
+                by_choice={c: dict(turns=len(v), median_ratio=round(statistics.median(v), 3),
+                                   worst_ratio=round(max(v), 3))
+                           for c, v in sorted(by_choice.items())})
 
 
 def same_tokens(rows: list[Turn]) -> dict[str, str]:

@@ -24,7 +24,9 @@ Contract:
       and the prefill model bound and the costs read from ``costs()`` at every call (live
       measurements), or at most every ``refresh_s`` seconds (a plan may be made under the
       engine lock, where reading the engine's statistics each time costs a millisecond);
-      ``planner(tiers, total_tokens, first)`` -> :class:`Plan`.
+      ``refresh()`` reads them now (a caller can do it off its critical path, after a
+      request, and keep ``refresh_s`` long); ``planner(tiers, total_tokens, first)`` ->
+      :class:`Plan`.
       ``observe(plan, seconds)``: a load's measured end-to-end time; what it took beyond the
       tiers' modelled cost is learnt as ``overhead_s`` (the engine's per-load work: lookups,
       hand-offs between threads), so small loads stop looking cheaper than they are; for a
@@ -197,10 +199,14 @@ class LoadPlanner:
         _check("refresh_s", self.refresh_s, positive=False)
 
     def current_costs(self) -> Mapping[Tier, TierCost]:
-        now = time.monotonic()
-        if self._read is None or now - self._read[0] >= self.refresh_s:
-            self._read = (now, self.costs())
+        if self._read is None or time.monotonic() - self._read[0] >= self.refresh_s:
+            self.refresh()
+        assert self._read is not None
         return self._read[1]
+
+    def refresh(self) -> None:
+        """Read ``costs()`` now (see the module docstring)."""
+        self._read = (time.monotonic(), self.costs())
 
     def observe(self, chosen: Plan, seconds: float) -> None:
         """A load of ``chosen`` took ``seconds`` end to end: what it took beyond the modelled

@@ -243,10 +243,13 @@ def test_costs_are_read_at_most_every_refresh_s() -> None:
     for _ in range(5):
         assert p([Tier.CPU] * 2, 2 * BT + 1).choice == "load"
     assert len(reads) == 1
+    p.refresh()  # read now, off the plan's path
+    p([Tier.CPU] * 2, 2 * BT + 1)
+    assert len(reads) == 2
     live = LoadPlanner(BT, BB, PREFILL, costs)
     live([Tier.CPU], BT + 1)
     live([Tier.CPU], BT + 1)
-    assert len(reads) == 3  # refresh_s 0: every call
+    assert len(reads) == 4  # refresh_s 0: every call
     with pytest.raises(InvalidArgument) as err:
         LoadPlanner(BT, BB, PREFILL, costs, refresh_s=-1.0)
     assert err.value.field == "refresh_s"
