@@ -159,22 +159,32 @@ def plan(
         raise InvalidArgument("total_tokens", f"{total_tokens} < the {end} tokens of the blocks")
     start = first * block_tokens
     recompute = prefill.seconds(start, total_tokens)
+    # Each block's load seconds (a tier's latency once, at its first block), all at once; loads
+    # stop at the first block of a tier with no cost.
+    codes = np.array(tiers, dtype=np.int64).reshape(-1)
+    rate = np.zeros(int(codes.max(initial=0)) + 1)
+    for tier, cost in costs.items():
+        if int(tier) < len(rate):
+            rate[int(tier)] = cost.bytes_per_s
+    known = rate[codes] > 0
+    n = int(np.argmin(known)) if not known.all() else len(codes)
+    if n == 0:
+        return Plan(0, len(tiers), 0.0, recompute, recompute, 0.0, 0, below_s)
+    codes = codes[:n]
+    below_mask = codes > int(Tier.CPU)
+    step = block_bytes / rate[codes] + below_s * below_mask
+    for code in np.unique(codes).tolist():
+        step[int(np.argmax(codes == code))] += costs[Tier(code)].latency_s
+    load_s = overhead_s + np.cumsum(step)
+    ends = (first + np.arange(1, n + 1)) * block_tokens
+    compute = np.where(ends < total_tokens, (total_tokens - ends) / prefill.tokens_per_s
+                       + prefill.attention_s * (total_tokens**2 - ends**2) / 2, 0.0)
+    totals = load_s + compute
+    low = float(totals.min())
     best = (recompute, 0, 0.0, 0)  # (total seconds, blocks, load seconds, blocks below CPU)
-    load_s, used, below = overhead_s, set(), 0
-    for k, tier in enumerate(tiers, 1):
-        cost = costs.get(tier)
-        if cost is None:
-            break
-        if tier not in used:
-            used.add(tier)
-            load_s += cost.latency_s
-        load_s += block_bytes / cost.bytes_per_s
-        if tier > Tier.CPU:
-            below += 1
-            load_s += below_s
-        total = load_s + prefill.seconds(start + k * block_tokens, total_tokens)
-        if total <= best[0]:
-            best = (total, k, load_s, below)
+    if low <= recompute:  # the most blocks among the cheapest plans
+        k = int(np.flatnonzero(totals == low)[-1]) + 1
+        best = (low, k, float(load_s[k - 1]), int(below_mask[:k].sum()))
     total, k, loaded, n_below = best
     return Plan(k, len(tiers), loaded, total - loaded, recompute, overhead_s if k else 0.0,
                 n_below, below_s)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier import OffloadConfig, Tier, TierEngine
@@ -313,3 +313,55 @@ def test_a_real_engine_measures_its_tiers_and_the_plan_loads_exact_bytes(tmp_pat
         at = n // 2
         assert engine.load(pool.pool_id, keys[at : at + slow.load], slots[at:]) == slow.load
         assert torch.equal(pool.segments[0][slots[at:]], want[at:])
+
+
+def _totals_by_block(tiers, *, block_tokens, block_bytes, total_tokens, costs, prefill, first,
+                     overhead_s, below_s) -> list[float]:
+    """Seconds of loading k = 0, 1, .. leading blocks and prefilling the rest, worked out block
+    by block (what ``plan`` computes at once)."""
+    start = first * block_tokens
+    totals = [prefill.seconds(start, total_tokens)]
+    load_s, used = overhead_s, set()
+    for k, tier in enumerate(tiers, 1):
+        cost = costs.get(tier)
+        if cost is None:
+            break
+        if tier not in used:
+            used.add(tier)
+            load_s += cost.latency_s
+        load_s += block_bytes / cost.bytes_per_s + (below_s if tier > Tier.CPU else 0.0)
+        totals.append(load_s + prefill.seconds(start + k * block_tokens, total_tokens))
+    return totals
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tiers=st.lists(st.sampled_from([Tier.CPU, Tier.DISK, Tier.REMOTE]), max_size=40),
+    first=st.integers(0, 8),
+    extra=st.integers(1, 200),
+    rates=st.tuples(*[st.floats(1e6, 1e11) for _ in range(3)]),
+    latency=st.floats(0, 1e-2),
+    tokens_per_s=st.floats(1e3, 1e7),
+    attention_s=st.floats(0, 1e-8),
+    overhead_s=st.floats(0, 1e-2),
+    below_s=st.floats(0, 1e-3),
+    drop_remote=st.booleans(),
+)
+def test_plan_is_the_cheapest_of_the_block_by_block_totals(
+    tiers, first, extra, rates, latency, tokens_per_s, attention_s, overhead_s, below_s,
+    drop_remote,
+) -> None:
+    costs = {t: TierCost(r, latency) for t, r in zip((Tier.CPU, Tier.DISK, Tier.REMOTE), rates,
+                                                      strict=True)}
+    if drop_remote:
+        del costs[Tier.REMOTE]  # a tier without a cost ends the loadable run
+    kw = dict(block_tokens=16, block_bytes=1 << 20,
+              total_tokens=(first + len(tiers)) * 16 + extra, costs=costs,
+              prefill=PrefillModel(tokens_per_s, attention_s), first=first,
+              overhead_s=overhead_s, below_s=below_s)
+    got = plan(tiers, **kw)
+    totals = _totals_by_block(tiers, **kw)
+    assert got.load < len(totals) and got.blocks == len(tiers)
+    assert got.load_s + got.compute_s == pytest.approx(min(totals), rel=1e-9, abs=1e-15)
+    assert totals[got.load] == pytest.approx(min(totals), rel=1e-9, abs=1e-15)
+    assert got.recompute_s == totals[0]
