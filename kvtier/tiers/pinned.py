@@ -222,6 +222,10 @@ class HostArena:
         slots = np.asarray(slots, dtype=np.int64)
         slab = self._slabs[page_size]
         per, ps = slab.per_chunk, page_size
+        n = len(slots)
+        chunk_no, start = divmod(int(slots[0]), per)
+        if start + n <= per and _ascends_by_one(slots):  # one run, as in ``runs_array``
+            return [(slab.chunks[chunk_no].tensor.data_ptr() + start * ps, 0, n)]
         lo, hi = run_bounds(slots, per)
         firsts = slots[lo].tolist()
         chunks = slab.chunks

@@ -31,6 +31,8 @@ from kvtier.transfer.gather import wide
 from kvtier.transfer.segtable import GroupTables, SegmentTable, group_table
 from kvtier.types import Direction
 
+MAX_VIEWS = 256  # cached buffer views per handler (batch shapes repeat: a few per pool)
+
 
 class _CudaHandler(TransferHandler):
     depth = 3
@@ -94,20 +96,28 @@ class _CudaHandler(TransferHandler):
             weakref.WeakKeyDictionary()
         )
         self._groups: GroupTables = weakref.WeakKeyDictionary()  # layer groups' tables
+        # Views of the turns' own staging and device index buffers, per shape (``_buffer``).
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._index_views: dict[tuple[int, int], torch.Tensor] = {}
 
     def _buffer(self, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Staging for ``rows`` pages: as ``uint8`` rows (the DMA's view) and as ``int64`` rows
         (the kernel's; None when ``size`` is not a whole number of words). Called on the entry
         stream (a larger batch's own buffer is then also kept from reuse until the exit stream
-        is done with it)."""
+        is done with it). The views of a turn's own buffer are made once per shape (tensor
+        views cost tens of microseconds a launch)."""
         nbytes = rows * size
         if nbytes <= self._staging.numel():
-            flat = self._staging[:nbytes]
-        else:
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            flat.record_stream(self._exit)
-        words = flat.view(torch.int64).view(rows, size // 8) if size % 8 == 0 else None
-        return flat.view(rows, size), words
+            key = (self._turn, rows, size)
+            views = self._views.get(key)
+            if views is None:
+                if len(self._views) >= MAX_VIEWS:
+                    self._views.clear()
+                views = self._views[key] = _views(self._staging[:nbytes], rows, size)
+            return views
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        flat.record_stream(self._exit)
+        return _views(flat, rows, size)
 
     def _pool_rows(self, pool: DevicePool) -> torch.Tensor | None:
         """The pool's pages as ``int64`` rows of its one segment, or None (generic path)."""
@@ -137,7 +147,12 @@ class _CudaHandler(TransferHandler):
             index.record_stream(self._kernel)  # the allocator must not reuse it before then
             return index
         self._indices_np[self._turn][:n] = values
-        index = self._device_indices[self._turn][:n]
+        key = (self._turn, n)
+        index = self._index_views.get(key)
+        if index is None:
+            if len(self._index_views) >= MAX_VIEWS:
+                self._index_views.clear()
+            index = self._index_views[key] = self._device_indices[self._turn][:n]
         if self._dma is not None:
             self._dma.copy(index.data_ptr(), pinned.data_ptr(), 8 * n, self._entry)
         else:
@@ -281,6 +296,12 @@ class CudaRestore(_CudaHandler):
         else:
             table = group[0] if group is not None else self._table(pool)
             table.scatter(index, staging)
+
+
+def _views(flat: torch.Tensor, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``flat`` as ``rows`` rows of ``size`` bytes, and as int64 rows (None: odd widths)."""
+    words = flat.view(torch.int64).view(rows, size // 8) if size % 8 == 0 else None
+    return flat.view(rows, size), words
 
 
 def _in_run_order(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -67,6 +68,17 @@ def test_runs_group_contiguous_slots(arena: HostArena) -> None:
         assert view.shape == (len(pos), P)
         for j, p in enumerate(pos):
             assert torch.all(view[j] == int(order[p]))
+
+
+def test_run_addresses_are_the_runs_first_bytes(arena: HostArena) -> None:
+    got = arena.alloc(P, 8)
+    assert got is not None
+    for order in ([2, 3, 4, 7, 0, 1], [0, 1, 2], [4, 5, 6, 7], [5], [1, 0], [0, 2, 1, 3]):
+        slots = np.array([int(got[i]) for i in order], dtype=np.int64)
+        views = arena.runs_array(P, slots)
+        addresses = arena.run_addresses(P, slots)
+        assert [(v.data_ptr(), lo, hi) for v, lo, hi in views] == addresses, order
+    assert arena.run_addresses(P, np.empty(0, dtype=np.int64)) == []
 
 
 def test_one_run_is_one_view_and_frees_in_one_piece(arena: HostArena) -> None:
