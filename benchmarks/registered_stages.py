@@ -5,9 +5,11 @@ clean) and reports, per call, milliseconds: the whole call; ``first_launch`` (ca
 first batch launch: the key bookkeeping every copy waits for); per stage the total wall time
 (``salt``: tenant-salted key hashes; ``slots``: CPU slots for stored blocks; ``new_keyed``:
 page-table rows and key index; ``resident``: a load's lookup and protection of its prefix;
-``launch``/``sync``/``complete``: the lane starting batches, waiting for their copies,
-completing them under the engine lock; ``wait``: the caller waiting for the copies); and
-``tail`` (the last copy done to the call returning).
+``launch``/``sync``/``complete``: starting batches, waiting for their copies, completing
+them under the engine lock (on the caller's thread when it holds the lane on loan,
+``kvtier/loan.py``, else on the lane's; ``launch`` counts only the lane's, ``handler`` both);
+``wait``: the caller waiting for the copies); and ``tail`` (the last copy done to the call
+returning).
 """
 
 from __future__ import annotations
