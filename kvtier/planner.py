@@ -32,7 +32,8 @@ Contract:
       hand-offs between threads), so small loads stop looking cheaper than they are; for a
       load with blocks from below the CPU tier, as ``below_s`` per such block instead (what
       the tiers' rates miss there: a read queued behind writes, a page written down to make
-      room in a full CPU tier), which ``plan(.., below_s=)`` adds to each such block.
+      room in a full CPU tier; it rises to a slower observation at once, so the next plan
+      doesn't risk the same slow read), which ``plan(.., below_s=)`` adds to each such block.
     * ``default_costs(cuda)``: the costs used before anything was measured.
       ``measured_costs(rates, cuda, latencies)``: those costs with each measured rate (and
       latency) put in (``rates``: bytes/s per direction, 0 = not measured yet); a disk block
@@ -222,13 +223,14 @@ class LoadPlanner:
         """A load of ``chosen`` took ``seconds`` end to end: what it took beyond the modelled
         ``load_s`` (a moving average, newest weighted ``OVERHEAD_WEIGHT``) joins the fixed
         overhead, or, when blocks came from below the CPU tier, the extra per such block
-        (``below_s``: reads queued behind writes, room made in a full CPU tier)."""
+        (``below_s``: reads queued behind writes, room made in a full CPU tier; a higher
+        observation replaces it at once, a lower one moves it half way)."""
         if chosen.load > 0 and math.isfinite(seconds) and seconds >= 0:
             learnt = chosen.overhead_s + chosen.below * chosen.below_s
             extra = max(0.0, seconds - (chosen.load_s - learnt))
-            if chosen.below:
+            if chosen.below:  # up at once, down by halves: a slow disk read is not risked twice
                 per = max(0.0, extra - self.overhead_s) / chosen.below
-                self.below_s += OVERHEAD_WEIGHT * (per - self.below_s)
+                self.below_s = max(per, self.below_s + OVERHEAD_WEIGHT * (per - self.below_s))
             else:
                 self.overhead_s += OVERHEAD_WEIGHT * (extra - self.overhead_s)
 
