@@ -258,14 +258,17 @@ def test_costs_are_read_at_most_every_refresh_s() -> None:
 
 def test_measured_rates_replace_the_defaults() -> None:
     base = default_costs(cuda=True)
-    got = measured_costs({Direction.CPU_TO_GPU: 40e9, Direction.DISK_TO_CPU: 2e9}, cuda=True,
-                         latencies={Direction.CPU_TO_GPU: 1e-4, Direction.DISK_TO_CPU: 3e-3})
+    rates = {Direction.CPU_TO_GPU: 40e9, Direction.DISK_TO_CPU: 2e9, Direction.CPU_TO_DISK: 1e9}
+    got = measured_costs(rates, cuda=True, latencies={
+        Direction.CPU_TO_GPU: 1e-4, Direction.DISK_TO_CPU: 3e-3, Direction.CPU_TO_DISK: 12e-3})
     assert got[Tier.CPU] == TierCost(40e9, 1e-4)
     assert got[Tier.DISK].bytes_per_s == pytest.approx(1 / (1 / 2e9 + 1 / 40e9))
-    assert got[Tier.DISK].latency_s == pytest.approx(3e-3 + 1e-4)  # both legs
+    # both legs, and once a write down (room in a full CPU tier)
+    assert got[Tier.DISK].latency_s == pytest.approx(3e-3 + 1e-4 + 12e-3)
     unmeasured = measured_costs({}, cuda=True)
     assert unmeasured[Tier.CPU] == base[Tier.CPU]
-    assert unmeasured[Tier.DISK].latency_s == base[Tier.DISK].latency_s + base[Tier.CPU].latency_s
+    assert unmeasured[Tier.DISK].latency_s == pytest.approx(
+        2 * base[Tier.DISK].latency_s + base[Tier.CPU].latency_s)
 
 
 def test_a_real_engine_measures_its_tiers_and_the_plan_loads_exact_bytes(tmp_path: Path) -> None:
