@@ -148,16 +148,16 @@ class _CudaHandler(TransferHandler):
             return index
         self._indices_np[self._turn][:n] = values
         key = (self._turn, n)
-        index = self._index_views.get(key)
-        if index is None:
+        view = self._index_views.get(key)
+        if view is None:
             if len(self._index_views) >= MAX_VIEWS:
                 self._index_views.clear()
-            index = self._index_views[key] = self._device_indices[self._turn][:n]
+            view = self._index_views[key] = self._device_indices[self._turn][:n]
         if self._dma is not None:
-            self._dma.copy(index.data_ptr(), pinned.data_ptr(), 8 * n, self._entry)
+            self._dma.copy(view.data_ptr(), pinned.data_ptr(), 8 * n, self._entry)
         else:
-            index.copy_(pinned[:n], non_blocking=True)
-        return index
+            view.copy_(pinned[:n], non_blocking=True)
+        return view
 
     def run(self, batch: Moves) -> list[bool]:
         return self.launch(batch)()
