@@ -120,6 +120,8 @@ class LaneLoan:
                     continue
                 self._settle(lane, self._mine.popleft())
         finally:
+            while self._mine:  # a pause raised: wait for the rest without pausing
+                self._settle(lane, self._mine.popleft())
             with self._lock:
                 lane.lent = False
                 lane.cond.notify()

@@ -160,3 +160,23 @@ def test_no_room_in_flight_ends_the_loan(lanes):
     threading.Timer(0.05, down.finish, (0,)).start()
     assert not loan.launch(mv(Direction.GPU_TO_CPU, range(2, 4)))  # 16 KiB would not fit
     assert not loan.lent and len(completed) == 1 and sched.inflight_bytes == 0
+
+
+def test_a_pause_that_raises_still_completes_the_loans_batches(lanes):
+    down = Device(Direction.GPU_TO_CPU, auto=False)
+    sched, completed = lanes(down)
+
+    def pause() -> None:
+        threading.Timer(0.05, down.finish, (0,)).start()
+        raise KeyboardInterrupt
+
+    loan = sched.lend(Direction.GPU_TO_CPU, None, pause)
+    assert loan.launch(mv(Direction.GPU_TO_CPU, range(2)))
+    with pytest.raises(KeyboardInterrupt):
+        loan.give_back()
+    assert completed and completed[0][1] == [0, 1]  # waited for, completed all the same
+    assert sched.inflight_bytes == 0 and not loan.lent
+    sched.submit([mv(Direction.GPU_TO_CPU, range(2, 4), copy=False)])
+    until(lambda: len(down.launched) == 2, "the lane's own launch after the loan")
+    down.finish(1)
+    until(lambda: len(completed) == 2, "its completion")

@@ -6,7 +6,9 @@ Contract:
       GPU<->CPU batches touch one GPU pool. The engine prepares a batch (destination slots
       allocated, pages marked moving) and completes it with the handler's results, one per
       column; the handler never touches the page table.
-    * ``TransferHandler.run(batch)`` runs on a scheduler lane thread, copies the whole batch
+    * ``TransferHandler.run(batch)`` runs on a scheduler lane thread (a ``queued`` handler's
+      ``launch`` also on a caller's thread holding the lane on loan, ``kvtier/loan.py``; never
+      two threads at once), copies the whole batch
       with as few calls as possible (one gather + one DMA per contiguous run, never one call per
       page on CUDA), waits for completion on its own stream's event (no device-wide synchronize)
       and returns one bool per column. It must not raise for a single bad page; an exception

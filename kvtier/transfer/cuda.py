@@ -8,7 +8,8 @@ the restore's scatter after, each overlapping a neighbour batch's DMA; restores 
 stream priority), ``depth`` device staging buffers of
 ``staging_bytes`` (the largest batch) and events. A batch first waits (on its streams, not the
 host) for the events the engine recorded when pages were last released, then copies, then
-records its event; the lane thread waits for that one event, so a slot is reused only after its
+records its event; the lane thread (or a caller holding the lane on loan) waits for that one
+event, so a slot is reused only after its
 bytes have landed. A staging buffer is reused ``depth`` launches later, when the lane has
 already waited for the batch that used it (a lane keeps at most ``depth`` batches in flight).
 Three in flight, not two: a lane held up for a batch's time (the engine lock, the interpreter
