@@ -119,10 +119,13 @@ def start_cluster(tmp: Path, size: int = 3, timeout: float = 30.0) -> RedisClust
             nodes[-1].start()
         nodes[0].cli("--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
                      "--cluster-yes")
+        # Ready when every node says so and knows every node and every slot (a node can say
+        # ok before the others' slots have reached it; a client then finds slots uncovered).
+        ready = ("cluster_state:ok", "cluster_slots_ok:16384", f"cluster_known_nodes:{size}")
         deadline = time.monotonic() + timeout
-        while any("cluster_state:ok" not in n.cli("cluster", "info") for n in nodes):
+        while any(not all(r in n.cli("cluster", "info") for r in ready) for n in nodes):
             if time.monotonic() > deadline:
-                raise TimeoutError("cluster did not reach cluster_state:ok")
+                raise TimeoutError("cluster did not reach cluster_state:ok on every node")
             time.sleep(0.1)
     except BaseException:
         cluster.stop()
