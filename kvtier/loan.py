@@ -27,17 +27,15 @@ Contract:
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 
-from kvtier.lanes import Lane, Pending, failed
+from kvtier.lanes import Lane, Pending
 from kvtier.transfer.base import Moves
 
-log = logging.getLogger(__name__)
 PAUSE_S = 0.0002  # the default pause while a turn's buffers are still in use
 
 
@@ -53,14 +51,17 @@ class LaneLoan:
         lane: Lane | None,
         lock: threading.Lock,
         room: Callable[[Lane, int], bool],
+        start: Callable[[Lane, Moves], Pending],
         settle: Callable[[Lane, Pending], None],
         closed: Callable[[], bool],
         pause: Callable[[], object] | None = None,
     ) -> None:
         """``lane``: the lane lent (None: nothing lent); ``room(lane, nbytes)``: counts
-        ``nbytes`` in flight if the bound leaves room (scheduler's lock held); ``settle(lane,
-        pending)``: waits for a launched batch and completes it."""
-        self._lane, self._lock, self._room, self._settle = lane, lock, room, settle
+        ``nbytes`` in flight if the bound leaves room (scheduler's lock held); ``start(lane,
+        batch)``: launches a batch (as the lane's thread does); ``settle(lane, pending)``: waits
+        for a launched batch and completes it."""
+        self._lane, self._lock, self._room = lane, lock, room
+        self._start, self._settle = start, settle
         self._closed, self._pause = closed, pause or _sleep
         self._mine: deque[Pending] = deque()  # launched, not yet completed, oldest first
         self._launched = 0
@@ -74,8 +75,7 @@ class LaneLoan:
         lane = self._lane
         if lane is None:
             return False
-        handler = lane.handlers.get(batch.direction)
-        if handler is None:
+        if batch.direction not in lane.handlers:
             self.give_back()
             return False
         self._wait_turn(lane)
@@ -86,14 +86,7 @@ class LaneLoan:
         if ended:
             self.give_back()
             return False
-        start = time.perf_counter()
-        try:
-            waiter = handler.launch(batch)
-        except Exception:
-            log.exception("launching a %s batch of %d pages failed", batch.direction.name,
-                          len(batch))
-            waiter = failed(len(batch))
-        self._mine.append(Pending(batch, waiter, start))
+        self._mine.append(self._start(lane, batch))
         self._launched += 1
         return True
 
@@ -103,10 +96,13 @@ class LaneLoan:
         while the copies run ahead, completions would only delay the next chunk's launch.)"""
         back = self._launched - lane.depth  # its index among the loan's launches
         while self._mine and self._launched - len(self._mine) <= back:
-            if _ready(self._mine[0]):
-                self._settle(lane, self._mine.popleft())
-            else:
-                self._pause()
+            self._settle_oldest(lane)
+
+    def _settle_oldest(self, lane: Lane) -> None:
+        """Pause until the oldest batch's copies are done, then complete it."""
+        while not _ready(self._mine[0]):
+            self._pause()
+        self._settle(lane, self._mine.popleft())
 
     def give_back(self) -> None:
         lane = self._lane
@@ -115,10 +111,7 @@ class LaneLoan:
         self._lane = None
         try:
             while self._mine:
-                if not _ready(self._mine[0]):
-                    self._pause()
-                    continue
-                self._settle(lane, self._mine.popleft())
+                self._settle_oldest(lane)
         finally:
             while self._mine:  # a pause raised: wait for the rest without pausing
                 self._settle(lane, self._mine.popleft())

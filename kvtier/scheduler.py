@@ -208,15 +208,20 @@ class TransferScheduler:
                 lane = None
             else:
                 lane.lent = True
-        return LaneLoan(lane, self._lock, self._take_room, self._settle, lambda: self._closed,
-                        pause)
+        return LaneLoan(lane, self._lock, self._take_room, self._launch, self._settle,
+                        lambda: self._closed, pause)
+
+    def _fits(self, lane: Lane, nbytes: int) -> bool:
+        """The in-flight bound of ``lane``'s GPU leaves room for ``nbytes`` (lock held): always
+        when nothing is in flight, so a batch larger than the bound still goes."""
+        used = self._inflight[lane.group]
+        return not used or used + nbytes <= self._max_inflight
 
     def _take_room(self, lane: Lane, nbytes: int) -> bool:
         """Count ``nbytes`` in flight on ``lane``'s GPU if the bound leaves room (lock held)."""
-        used = self._inflight[lane.group]
-        if used and used + nbytes > self._max_inflight:
+        if not self._fits(lane, nbytes):
             return False
-        self._inflight[lane.group] = used + nbytes
+        self._inflight[lane.group] += nbytes
         return True
 
     @contextlib.contextmanager
@@ -294,8 +299,7 @@ class TransferScheduler:
     def _ready(self, lane: Lane) -> bool:
         """Work is queued and the in-flight bound leaves room for its next batch."""
         want = lane.peek_bytes(self._batch_bytes)
-        used = self._inflight[lane.group]
-        return not lane.lent and want > 0 and (not used or used + want <= self._max_inflight)
+        return not lane.lent and want > 0 and self._fits(lane, want)
 
     def _launch(self, lane: Lane, batch: Moves) -> Pending:
         handler = lane.handlers[batch.direction]

@@ -108,7 +108,7 @@ class PrefixStore:
                 pending = Copies(pool, Direction.GPU_TO_CPU, loan)
                 for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
                     todo = self._new_keys(pool, keys[at : at + size], slots[at : at + size])
-                    stored += min(size, len(keys) - at) - len(todo)  # already stored
+                    stored += size - len(todo)  # already stored (or earlier in this call)
                     at += size
                     full = self._store_chunk(pool, list(todo.items()), pending, started)
                     started += pending.submit(core)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from kvtier.transfer.segtable import GroupTables, SegmentTable, group_table
 from kvtier.types import Direction
 
 MAX_VIEWS = 256  # cached buffer views per handler (batch shapes repeat: a few per pool)
+T = TypeVar("T")
 
 
 class _CudaHandler(TransferHandler):
@@ -109,13 +111,9 @@ class _CudaHandler(TransferHandler):
         views cost tens of microseconds a launch)."""
         nbytes = rows * size
         if nbytes <= self._staging.numel():
-            key = (self._turn, rows, size)
-            views = self._views.get(key)
-            if views is None:
-                if len(self._views) >= MAX_VIEWS:
-                    self._views.clear()
-                views = self._views[key] = _views(self._staging[:nbytes], rows, size)
-            return views
+            staging = self._staging
+            return _memo(self._views, (self._turn, rows, size),
+                         lambda: _views(staging[:nbytes], rows, size))
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         flat.record_stream(self._exit)
         return _views(flat, rows, size)
@@ -148,12 +146,8 @@ class _CudaHandler(TransferHandler):
             index.record_stream(self._kernel)  # the allocator must not reuse it before then
             return index
         self._indices_np[self._turn][:n] = values
-        key = (self._turn, n)
-        view = self._index_views.get(key)
-        if view is None:
-            if len(self._index_views) >= MAX_VIEWS:
-                self._index_views.clear()
-            view = self._index_views[key] = self._device_indices[self._turn][:n]
+        device = self._device_indices[self._turn]
+        view = _memo(self._index_views, (self._turn, n), lambda: device[:n])
         if self._dma is not None:
             self._dma.copy(view.data_ptr(), pinned.data_ptr(), 8 * n, self._entry)
         else:
@@ -297,6 +291,17 @@ class CudaRestore(_CudaHandler):
         else:
             table = group[0] if group is not None else self._table(pool)
             table.scatter(index, staging)
+
+
+def _memo(cache: dict[Any, T], key: Any, make: Callable[[], T]) -> T:
+    """``cache[key]``, made by ``make()`` the first time (the cache is emptied when it holds
+    ``MAX_VIEWS`` entries: shapes repeat, a few per pool)."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= MAX_VIEWS:
+            cache.clear()
+        found = cache[key] = make()
+    return found
 
 
 def _views(flat: torch.Tensor, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
