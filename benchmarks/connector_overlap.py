@@ -35,7 +35,10 @@ Variants, run in rotating order ``--repeats`` times:
            whole in start_load_kv (``stores=sync``, ``loads=block``).
 Reported: median over runs of the mean step time (ms), the overhead over ``none``, and for
 async stores the time to drain the store queue after a run's last step. The load workload's
-overlap is async against whole (the same loads, layer-wise or not).
+overlap is async against whole (the same loads, layer-wise or not). Layer groups overlap the
+forward only where the engine and the daemon are clients of one MPS server (start
+``nvidia-cuda-mps-control -d`` before this script: the daemon it starts inherits the
+environment); the report says whether MPS was running.
 
     python benchmarks/connector_overlap.py --out benchmarks/results/   # CUDA: real figures
     python benchmarks/connector_overlap.py --device cpu --layers 4 --kv-heads 2 --head-dim 64 \\
@@ -61,6 +64,7 @@ from kvtier.client import connect
 from kvtier.client.block_mover import BlockTransfer
 from kvtier.client.block_rows import BlockRows, block_segments
 
+from kvtier.integrations.vllm.groups import mps_running
 from kvtier.integrations.vllm.identity import Rank
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.steps import WorkerSteps
@@ -239,7 +243,8 @@ def report(a: argparse.Namespace, res: dict[str, Any], device: str) -> str:
     lines = [f"Device: {device}; {a.layers} layers, flash-attn layout {a.kv_heads}x{a.head_dim}, "
              f"block {a.block_size} ({page >> 10} KiB per block), {a.blocks} blocks per step, "
              f"{a.steps} steps per run, median of {a.repeats} runs; forward "
-             f"{a.layer_ms} ms per layer; {mode}.", "",
+             f"{a.layer_ms} ms per layer; {mode}; MPS "
+             f"{'running' if mps_running() else 'not running'} (`groups.mps_running`).", "",
              "| workload | none ms/step | "
              + " | ".join(f"{v} ms/step (overhead)" for v in shown) + " | async drain ms |",
              "|---|---|" + "---|" * len(shown) + "---|"]
@@ -291,6 +296,7 @@ def main() -> None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "connector_overlap.json").write_text(json.dumps(
             {"args": {k: str(v) for k, v in vars(a).items()}, "device": device,
+             "mps": mps_running(),
              "date": time.strftime("%Y-%m-%d"), "results": res}, indent=1))
         (a.out / "connector_overlap.md").write_text(text + "\n")
 

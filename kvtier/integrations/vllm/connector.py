@@ -16,9 +16,10 @@ and copies CPU memory), ``staging_slots`` (64), ``stats_file`` (write the worker
 as JSON after every step that moved blocks and every store that ended), ``stores`` (``async``:
 after the forward, off the step; ``sync``: in ``wait_for_save``, after a device synchronize),
 ``loads`` (``layer``: ``wait_for_layer_load`` waits per layer; ``block``: all in
-``start_load_kv``), ``load_groups`` (1: registered loads in that many layer groups, each
-group's layers ready when it lands; one group by default: on a GPU without MPS the daemon's
-copies do not run beside the forward, see ``groups``), ``store_wait_s`` (1.0: how long a
+``start_load_kv``), ``load_groups`` (``auto``, or 1..4096: registered loads in that many layer
+groups, each group's layers ready when it lands; ``auto`` is 8 where an MPS control daemon is
+running and 1 elsewhere: without MPS the daemon's copies do not run beside the forward, see
+``groups``), ``store_wait_s`` (1.0: how long a
 lookup waits for this engine's own store of the next block still in flight) and
 ``store_timeout_s`` (30: how long shutdown waits for stores in flight).
 
@@ -78,7 +79,7 @@ from vllm.logger import init_logger
 
 from kvtier.client.block_rows import BlockRows, block_segments
 
-from .groups import MAX_GROUPS
+from .groups import MAX_GROUPS, auto_groups
 from .identity import Rank, all_rank_keys, engine_namespace
 from .link import DaemonLink
 from .plan import BlockTransfer, LoadStorePlanner
@@ -105,7 +106,7 @@ class ConnectorOptions:
     stats_file: str = ""
     stores: str = "async"
     loads: str = "layer"
-    load_groups: int = 1
+    load_groups: int | str = "auto"
     store_wait_s: float = 1.0
     store_timeout_s: float = 30.0
 
@@ -130,9 +131,10 @@ class ConnectorOptions:
                 raise ValueError(f"kv_connector_extra_config.{name}={getattr(opts, name)!r}; "
                                  f"accepted: {'|'.join(accepted)}")
         g = opts.load_groups
-        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GROUPS:
+        if g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
+                            or not 1 <= g <= MAX_GROUPS):
             raise ValueError(f"kv_connector_extra_config.load_groups={g!r}; "
-                             f"accepted: an integer 1..{MAX_GROUPS}")
+                             f"accepted: auto or an integer 1..{MAX_GROUPS}")
         for name in ("timeout", "store_wait_s", "store_timeout_s"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -288,13 +290,25 @@ class KVTierConnector(KVConnectorBase_V1):
                                   exchange=_exchange if world > 1 else None, layers=layers,
                                   async_stores=o.stores == "async",
                                   layer_loads=o.loads == "layer",
-                                  load_groups=o.load_groups,
+                                  load_groups=self._load_groups(),
                                   store_timeout_s=o.store_timeout_s,
                                   on_stored=self._write_stats if o.stats_file else None)
         self._steps.mover()  # attach now if the daemon is up; else on a later step
         log.info("kvtier: %d layers, %d blocks of %d bytes (tenant %s, rank %d of %d)",
                  len(tensors), num_blocks, rows.page_bytes, self._opts.tenant,
                  self._rank.tp_rank + self._rank.tp_size * self._rank.pp_rank, world)
+
+    def _load_groups(self) -> int:
+        """``load_groups``, with ``auto`` worked out here (``groups.auto_groups``: 8 layer groups
+        under MPS, else 1), and said once."""
+        g = self._opts.load_groups
+        if g == "auto":
+            g = auto_groups()
+            log.info("kvtier: registered loads in %d layer group(s) (%s)", g,
+                     "MPS is running" if g > 1 else "no MPS: the daemon's copies are "
+                     "time-sliced against the forward")
+        assert isinstance(g, int)
+        return g
 
     def _num_blocks(self, tensors: list[torch.Tensor]) -> int:
         cfg = self._kv_cache_config

@@ -11,7 +11,10 @@ bytes; missing blocks, a daemon restart and a pool lost between groups are recom
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +31,14 @@ from kvtier.client.ipc import SharedMemory
 
 from kvtier import OffloadConfig, TierEngine
 from kvtier.integrations.vllm import steps as steps_module
-from kvtier.integrations.vllm.groups import layer_groups
+from kvtier.integrations.vllm.groups import (
+    LOAD_GROUPS,
+    MPS_LOAD_GROUPS,
+    MPS_PID_FILE,
+    auto_groups,
+    layer_groups,
+    mps_running,
+)
 from kvtier.integrations.vllm.identity import Rank
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.loads import LoadJob
@@ -120,6 +130,24 @@ def test_layer_groups_follow_layer_boundaries() -> None:
     assert layer_groups(eight, 16, most=3) == ([0, 6, 12, 16], [0, 0, 0, 1, 1, 1, 2, 2])
     assert layer_groups(eight, 16, most=1) == ([0, 16], [0] * 8)
     assert layer_groups(eight, 16, most=8)[1] == list(range(8))
+
+
+def test_auto_groups_follow_a_running_mps_control_daemon(tmp_path: Path) -> None:
+    """``auto``: 8 groups only while the pid file of the pipe directory names a live process."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert (mps_running(env), auto_groups(env)) == (False, LOAD_GROUPS)  # no MPS daemon there
+    pid_file = tmp_path / MPS_PID_FILE
+    pid_file.write_text(f"{os.getpid()}\n")  # a live process
+    assert (mps_running(env), auto_groups(env)) == (True, MPS_LOAD_GROUPS)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    pid_file.write_text(str(gone.pid))
+    assert auto_groups(env) == LOAD_GROUPS
+    for junk in ("", "not a pid", "-1", "0"):
+        pid_file.write_text(junk)
+        assert not mps_running(env), junk
+    (tmp_path / "control").touch()  # the sockets a daemon that quit leaves behind
+    assert auto_groups(env) == LOAD_GROUPS
 
 
 def test_each_layer_is_ready_before_later_layers_are_confirmed(
