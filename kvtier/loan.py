@@ -36,7 +36,7 @@ from types import TracebackType
 from kvtier.lanes import Lane, Pending
 from kvtier.transfer.base import Moves
 
-PAUSE_S = 0.0002  # the default pause while a turn's buffers are still in use
+PAUSE_S = 0.00005  # a pause while a batch's copies run: how late its end may be seen
 
 
 def _sleep() -> None:

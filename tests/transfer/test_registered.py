@@ -86,7 +86,7 @@ def test_registered_store_load_exact_bytes_cuda(kind: str) -> None:
 
 
 def test_chunked_load_stops_at_the_first_miss(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefix, "FIRST_CHUNK", 2)  # chunks of 2, 4, 8, 6 blocks
+    monkeypatch.setattr(prefix, "FIRST_CHUNK", 2)  # chunks of 2, 3, 6, 8, 1 blocks
     layers = kv_layers("flash", "cpu")
     segments = [s for t in layers for s in block_segments(t, BLOCKS)]
     engine = engine_for("cpu", sum(s.shape[1] for s in segments), batch_pages=8)
