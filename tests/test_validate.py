@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from kvtier.validate import (
     check_keys,
     check_name,
     check_page_size,
+    check_slots,
     check_timeout,
 )
 
@@ -69,9 +72,31 @@ def test_names_at_the_limits_are_taken():
 
 def test_keys_are_1_to_64_bytes():
     assert check_keys("keys", [b"k", b"x" * 64]) == [b"k", b"x" * 64]
-    for bad in ([b""], [b"x" * 65], ["k"]):
+    assert check_keys("keys", ()) == []
+    many = [bytes([i % 251 + 1]) * 32 for i in range(1024)]
+    for bad in ([b""], [b"x" * 65], ["k"], [*many, b""], [*many[:500], bytearray(b"k"), *many],
+                [*many, "k"]):
         with pytest.raises(InvalidArgument, match=r"^keys: each key must be 1\.\.64 bytes"):
             check_keys("keys", bad)
+
+    class Key(bytes):
+        pass
+
+    assert check_keys("keys", [*many, Key(b"k")])[-1] == b"k"  # a bytes subclass is bytes
+
+
+def test_slots_are_ints_in_range():
+    assert check_slots("slots", range(8), 8) == list(range(8))
+    assert check_slots("slots", [], 8) == []
+
+    class Slot(int):
+        pass
+
+    assert check_slots("slots", [0, Slot(3)], 8) == [0, 3]  # an int subclass is an int
+    for bad, shown in (([0, 8], "8"), ([-1], "-1"), ([1, True], "True"), ([1, 2.0], "2.0"),
+                       ([0, "1"], "'1'"), ([*range(7)] * 200 + [np.int64(3)], repr(np.int64(3)))):
+        with pytest.raises(InvalidArgument, match=rf"^slots: slot {re.escape(shown)} is outside"):
+            check_slots("slots", bad, 8)
 
 
 @pytest.mark.parametrize("ok", [4096, 8192, 64 << 20])
