@@ -21,7 +21,6 @@ MAX_IDS = 1 << 20
 MAX_NAME_CHARS = 128
 MAX_KEY_BYTES = 64
 MAX_PAGE_SIZE = 64 << 20
-_INT, _BYTES = {int}, {bytes}  # exact types: the fast paths of check_slots and check_keys
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")  # whole string: fullmatch
 
 
@@ -99,15 +98,10 @@ def _int64s(field: str, ids: Sequence[int]) -> np.ndarray:
 def check_slots(field: str, slots: Sequence[int], num_slots: int) -> list[int]:
     if isinstance(slots, str | bytes) or not isinstance(slots, Sequence):
         raise InvalidArgument(field, "must be a list of slot indexes")
-    out = list(slots)
-    # Passes at C speed over plain ints (a keyed store of 1,024 blocks checks its slots before
-    # its first copy starts); anything else takes the loop, which names the culprit.
-    if not out or (set(map(type, out)) == _INT and min(out) >= 0 and max(out) < num_slots):
-        return out
-    for s in out:
+    for s in slots:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_slots:
             raise InvalidArgument(field, f"slot {s!r} is outside [0, {num_slots})")
-    return out
+    return list(slots)
 
 
 def check_keys(field: str, keys: Sequence[bytes]) -> list[bytes]:
@@ -115,15 +109,10 @@ def check_keys(field: str, keys: Sequence[bytes]) -> list[bytes]:
         raise InvalidArgument(field, "must be a list of byte strings")
     if len(keys) > MAX_IDS:
         raise InvalidArgument(field, f"at most {MAX_IDS} keys per call")
-    out = list(keys)
-    if out and set(map(type, out)) == _BYTES:  # as ``check_slots``: C-speed passes first
-        lengths = set(map(len, out))
-        if min(lengths) >= 1 and max(lengths) <= MAX_KEY_BYTES:
-            return out
-    for k in out:
+    for k in keys:
         if not isinstance(k, bytes) or not 1 <= len(k) <= MAX_KEY_BYTES:
             raise InvalidArgument(field, f"each key must be 1..{MAX_KEY_BYTES} bytes")
-    return out
+    return list(keys)
 
 
 def check_page_size(field: str, value: object) -> int:
