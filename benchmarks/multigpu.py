@@ -8,9 +8,13 @@ pool per GPU, one shared CPU budget. In one run:
       ends when its pool has no offload in flight), then ``acquire`` (restore) of it, all at
       once; per GPU and aggregate, every restored page checked against the bytes written;
     * latency: 1 MiB restores (4 x 256 KiB) on the first GPU: idle, while the *last* GPU drains
-      a ``--backlog-gib`` offload backlog (the case per-GPU lanes are for) and, as the peer in
-      the same run, while the first GPU drains one itself; p50/p99/max over at least
-      ``--latency-samples`` each, restored bytes checked after every round.
+      a ``--backlog-gib`` offload backlog (the case per-GPU lanes are for) and, as the peers in
+      the same run, while a plain torch loop on a thread of this process copies the last GPU
+      to pinned memory (what sharing the process with another GPU's copies costs by itself)
+      and while the first GPU drains a backlog itself; p50/p99/max over at least
+      ``--latency-samples`` each, the cases' rounds taken in turn, restored bytes checked
+      after every round.
+The interpreter's switch interval is the daemon's (``--switch-us``, 500 as `kvtier serve` sets).
 Figures are medians of ``--repeats``. Writes ``multigpu.json`` to ``--out`` and prints a table.
 With one GPU (or ``--devices cpu``, a smoke run) it reports what one device can.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -171,12 +176,46 @@ def engine_concurrent(devs: list[str], nbytes: int, page: int, repeats: int) -> 
         engine.close()
 
 
+class RawLoop:
+    """The peer of a backlog on another GPU: a plain torch loop on a thread of this process,
+    copying ``device`` to pinned memory 64 MiB at a time (8 copies, then a synchronize) until
+    stopped. What an engine's restore pays for sharing the process with another GPU's copies
+    and nothing else."""
+
+    def __init__(self, device: str, chunk: int = 64 * MIB) -> None:
+        self._chunk = chunk
+        self._gpu = torch.empty(8 * chunk, dtype=torch.uint8, device=device)
+        self._host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+        self._stream = torch.cuda.Stream(device)
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        c = self._chunk
+        with torch.cuda.stream(self._stream):
+            while not self._halt.is_set():
+                for i in range(8):
+                    self._host.copy_(self._gpu[i * c : (i + 1) * c], non_blocking=True)
+                self._stream.synchronize()
+
+    def start(self) -> None:
+        self._halt.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        time.sleep(0.005)  # copies under way before the first sample
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def latency(devs: list[str], backlog: int, samples: int) -> dict[str, Any]:
     """1 MiB restores on the first GPU: idle, under the last GPU's backlog, under its own."""
     page, per_req, nreq = 256 << 10, 4, 256
     nb = backlog // page
     first, last = devs[0], devs[-1]
-    cases = ["idle", "same_gpu"] + (["other_gpu"] if len(devs) > 1 else [])
+    cases = ["idle", "same_gpu"] + (["other_gpu", "other_gpu_raw"] if len(devs) > 1 else [])
     engine = TierEngine(OffloadConfig(
         device=",".join(devs), page_size=page,
         gpu_memory_gb=(2 * backlog + nreq * page) / GIB + 0.01,
@@ -204,6 +243,7 @@ def latency(devs: list[str], backlog: int, samples: int) -> dict[str, Any]:
             bulk[name] = np.array([p for p, _ in got], dtype=np.int64)
             engine.release(pool.pool_id, bulk[name])
         groups = [req_ids[i : i + per_req] for i in range(0, nreq, per_req)]
+        raw = RawLoop(last) if len(devs) > 1 else None
 
         def round_(case: str) -> list[float]:
             engine.offload(req.pool_id, req_ids)
@@ -213,6 +253,9 @@ def latency(devs: list[str], backlog: int, samples: int) -> dict[str, Any]:
             pool = backlogs.get(case)
             if pool is not None:
                 engine.offload(pool.pool_id, bulk[case])
+            if case == "other_gpu_raw":
+                assert raw is not None
+                raw.start()
             lat: list[float] = []
             for ids in groups:
                 if pool is not None and not pool.moving_down:
@@ -227,6 +270,9 @@ def latency(devs: list[str], backlog: int, samples: int) -> dict[str, Any]:
                     f"restored bytes differ ({case})"
                 )
                 engine.release(req.pool_id, ids)
+            if case == "other_gpu_raw":
+                assert raw is not None
+                raw.stop()
             if pool is not None:
                 drained(pool)
                 assert engine.acquire(pool.pool_id, bulk[case]) is not None
@@ -238,13 +284,15 @@ def latency(devs: list[str], backlog: int, samples: int) -> dict[str, Any]:
         for case in cases:
             round_(case)  # warm-up: first kernels, first pinned chunks
         out: dict[str, Any] = {"samples_ms": {}}
-        for case in cases:
-            xs: list[float] = []
-            while len(xs) < samples:
+        got: dict[str, list[float]] = {case: [] for case in cases}
+        live = list(cases)
+        while live:  # a round of each case in turn: drift over the run falls on every case
+            for case in list(live):
                 taken = round_(case)
-                if not taken and case != "idle":
-                    break  # the backlog drains before one restore: nothing to measure
-                xs += taken
+                got[case] += taken
+                if len(got[case]) >= samples or (not taken and case != "idle"):
+                    live.remove(case)  # enough, or the backlog drains before one restore
+        for case, xs in got.items():
             q = (statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 2
                  else [float("nan")] * 99)
             out[case] = {"p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
@@ -267,7 +315,7 @@ def table(devs: list[str], args: argparse.Namespace, res: dict[str, Any]) -> str
             per = " | ".join(f"{x:.1f}" for x in res[f"{key}_per_gpu"])
             lines.append(f"| {key} | {per} | {res[f'{key}_aggregate']:.1f} |")
     lat = res.get("latency", {})
-    for case in ("idle", "other_gpu", "same_gpu"):
+    for case in ("idle", "other_gpu_raw", "other_gpu", "same_gpu"):
         if case in lat:
             c = lat[case]
             lines.append(f"\n1 MiB restore on {devs[0]}, {case}: p50 {c['p50_ms']:.2f} ms, "
@@ -287,14 +335,18 @@ def main() -> None:
     ap.add_argument("--backlog-gib", type=float, default=4.0, help="0: skip the latency case")
     ap.add_argument("--latency-samples", type=int, default=384)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--switch-us", type=float, default=500.0,
+                    help="interpreter switch interval; 500 is what `kvtier serve` sets")
     args = ap.parse_args()
+    sys.setswitchinterval(args.switch_us / 1e6)
     devs = args.devices.split(",") if args.devices else [
         f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     if "cpu" in devs and devs != ["cpu"]:
         ap.error("--devices: cpu is one device on its own")
     nbytes = int(args.gib * GIB) // (args.page_kib << 10) * (args.page_kib << 10)
     res: dict[str, Any] = {"devices": devs, "gib": args.gib, "page_kib": args.page_kib,
-                           "repeats": args.repeats, "backlog_gib": args.backlog_gib}
+                           "repeats": args.repeats, "backlog_gib": args.backlog_gib,
+                           "switch_us": args.switch_us}
     t0 = time.perf_counter()
     if devs[0].startswith("cuda"):
         res.update(raw_concurrent(devs, nbytes, args.repeats))
