@@ -12,6 +12,9 @@ Contract (nothing here touches the network):
       lock; ``land`` (lock held) makes them CPU keyed pages of the tenant (as a disk hit
       is restored to CPU), freeing the slots of keys stored locally meanwhile; ``unstage``
       frees a staging that is not landed.
+    * Staged slots are the loading tenant's from the moment they are reserved: its CPU quota
+      bounds them (its own pages make the room), and they count as its incoming CPU bytes
+      until ``land`` settles them as its pages or ``unstage`` frees them.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class Staged:
     """Remote payloads copied into reserved CPU slots, not yet pages (nobody else sees them)."""
 
     tenant: str
+    owner: int  # the tenant's ledger id: the staged bytes are its incoming CPU bytes
     page_size: int
     salted: list[bytes]
     slots: np.ndarray
@@ -87,8 +91,9 @@ class Stager:
     slots are reserved a batch at a time (engine lock taken briefly), the copy runs without it.
     ``staged(salted)`` is the result for the caller to land or free (None: nothing taken)."""
 
-    def __init__(self, core: EngineCore, tenant: str, page_size: int) -> None:
-        self.core, self.tenant, self.page_size = core, tenant, page_size
+    def __init__(self, core: EngineCore, tenant: str, owner: int, page_size: int) -> None:
+        """``owner``: ``tenant``'s ledger id (``TenantLedger.owner``, taken under the lock)."""
+        self.core, self.tenant, self.owner, self.page_size = core, tenant, owner, page_size
         self.slots: list[np.ndarray] = []
 
     def take(self, payloads: Sequence[memoryview]) -> int:
@@ -96,7 +101,8 @@ class Stager:
         with core.cond:
             if core.closed:
                 return 0
-            slots = core.cascade.cpu_slots(self.page_size, len(payloads))
+            slots = core.cascade.cpu_slots(self.page_size, len(payloads), self.owner)
+            _charge(core, self.owner, len(slots) * self.page_size)
         if not len(slots):
             return 0
         for payload, view in zip(payloads, core.host.rows(self.page_size, slots.tolist()),
@@ -109,7 +115,12 @@ class Stager:
         if not self.slots:
             return None
         slots = np.concatenate(self.slots)
-        return Staged(self.tenant, self.page_size, list(salted[: len(slots)]), slots)
+        return Staged(self.tenant, self.owner, self.page_size, list(salted[: len(slots)]), slots)
+
+
+def _charge(core: EngineCore, owner: int, nbytes: int) -> None:
+    """Staged bytes in (or, negative, out of) ``owner``'s incoming CPU bytes (lock held)."""
+    core.ledger.incoming[int(Tier.CPU), owner] += nbytes
 
 
 def land(core: EngineCore, staged: Staged) -> int:
@@ -117,13 +128,14 @@ def land(core: EngineCore, staged: Staged) -> int:
     CPU; a key stored locally meanwhile keeps its page and its staged slot is freed. Returns how
     many landed."""
     t = core.table
+    _charge(core, staged.owner, -len(staged.slots) * staged.page_size)
     fresh = np.array([t.keyed(k) is None for k in staged.salted], dtype=bool)
     if not fresh.all():
         core.host.free_array(staged.page_size, staged.slots[~fresh])
     slots = staged.slots[fresh]
     if not len(slots):
         return 0
-    rows = t.add(len(slots), pool=0, size=staged.page_size)
+    rows = t.add(len(slots), pool=0, size=staged.page_size, owner=staged.owner)
     for row, key in zip(rows.tolist(), (k for k, f in zip(staged.salted, fresh.tolist(),
                                                             strict=True) if f), strict=True):
         t.add_key(row, key, staged.tenant)
@@ -133,5 +145,6 @@ def land(core: EngineCore, staged: Staged) -> int:
 
 def unstage(core: EngineCore, staged: Staged) -> None:
     """Give back the slots of a staging that was not landed (engine lock held)."""
+    _charge(core, staged.owner, -len(staged.slots) * staged.page_size)
     if not core.closed:
         core.host.free_array(staged.page_size, staged.slots)

@@ -333,8 +333,8 @@ class PrefixStore:
         self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]
     ) -> Staged | None:
         """Verified remote payloads of the blocks just past the local prefix (a CPU window of
-        them), fetched and staged in CPU slots without the engine lock; None without a remote
-        tier or remote hits."""
+        them, ``cpu_window``: within the tenant's CPU quota), fetched and staged in CPU slots
+        without the engine lock; None without a remote tier or remote hits."""
         core = self._core
         if core.remote is None:
             return None
@@ -343,11 +343,11 @@ class PrefixStore:
             keys, slots = self.args(pool, keys, slots)
             every = salt_keys(pool.tenant, keys)
             start = len(self.prefix(pool, every))
-            window = max(1, core.host.capacity_bytes // pool.page_size // 2)
-            salted = every[start : start + window]
+            salted = every[start : start + self.cpu_window(pool)]
+            owner = core.ledger.owner(pool.tenant)  # the staged slots are the tenant's
         if not salted:
             return None
-        stager = Stager(core, pool.tenant, pool.page_size)  # copies each batch as it arrives
+        stager = Stager(core, pool.tenant, owner, pool.page_size)  # copies each batch as it arrives
         core.remote.fetch_each(salted, pool.page_size, stager.take)
         return stager.staged(salted)
 

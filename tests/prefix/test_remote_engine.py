@@ -215,15 +215,65 @@ def test_a_block_stored_while_staged_keeps_its_page_and_frees_the_staged_slot(pa
     assert a.prefix._core.remote.flush(5)
     core = b.prefix._core
     salted = [salt_key("t", b"m0")]
-    stager = Stager(core, "t", PAGE)
+    with core.cond:
+        owner = core.ledger.owner("t")
+    stager = Stager(core, "t", owner, PAGE)
     assert core.remote.fetch_each(salted, PAGE, stager.take) == 1
     staged = stager.staged(salted)
     assert staged is not None and b.stats().tiers[1].used_bytes == PAGE
+    assert int(core.ledger.incoming[Tier.CPU, owner]) == PAGE  # the tenant's, while staged
     (pool_b, slots_b), mine = stored_blocks(b, "t", 1, seed=42)
     assert b.store(pool_b.pool_id, [b"m0"], slots_b) == 1  # stored locally meanwhile
     with core.cond:
         assert land(core, staged) == 0
     assert b.stats().tiers[1].used_bytes == PAGE  # the staged slot went back
+    assert int(core.ledger.incoming[Tier.CPU, owner]) == 0
     pool_b.segments[0][slots_b[0]].zero_()
     assert b.load(pool_b.pool_id, [b"m0"], slots_b) == 1
     assert torch.equal(pool_b.segments[0][slots_b[0]], mine[0])  # the local page won
+
+
+def test_remote_hits_count_against_the_loading_tenants_cpu_quota(tmp_path):
+    """Blocks fetched from the shared store land as the loading tenant's CPU pages: its quota
+    bounds them (its own pages make the room), and the quiet tenant's blocks stay."""
+    from kvtier.prefix import salt_key
+    from tests.tenancy.test_quotas import ledger_matches_table
+
+    medium, secret = DictMedium(), secret_file(tmp_path)
+    writer = TierEngine(small_config(None, remote_secret_file=secret), remote_medium=medium)
+    reader = TierEngine(small_config(
+        None, remote_secret_file=secret, cpu_memory_gb=8 * PAGE / 2**30,
+        tenant_quotas=f"noisy=cpu:{2 * PAGE};quiet=cpu:{4 * PAGE}",
+    ), remote_medium=medium)
+    try:
+        (pool_w, slots_w), data = stored_blocks(writer, "noisy", 6)
+        far = [b"n%d" % i for i in range(6)]
+        assert writer.store(pool_w.pool_id, far, slots_w) == 6
+        assert writer.prefix._core.remote.flush(5)
+        (pool_q, slots_q), quiet_data = stored_blocks(reader, "quiet", 4, seed=5)
+        mine = [b"q%d" % i for i in range(4)]
+        assert reader.store(pool_q.pool_id, mine, slots_q) == 4
+        pool_n = reader.attach("noisy", 8)
+        slots_n = [s for _, s in reader.allocate(pool_n.pool_id, 6)]
+        loaded = reader.load(pool_n.pool_id, far, slots_n)
+        assert 1 <= loaded <= 6
+        for s, want in zip(slots_n[:loaded], data, strict=False):
+            assert torch.equal(pool_n.segments[0][s], want)
+        ledger_matches_table(reader)
+        core = reader.prefix._core
+        noisy, quiet = core.ledger.find("noisy"), core.ledger.find("quiet")
+        assert noisy and int(core.ledger.used(Tier.CPU)[noisy]) <= 2 * PAGE
+        with core.cond:  # the fetched blocks still held here are noisy's, within its quota
+            rows = [r for r in (core.table.keyed(salt_key("noisy", k)) for k in far)
+                    if r is not None]
+            assert 1 <= len(rows) <= 2
+            assert all(int(core.table.owner[r]) == noisy for r in rows)
+        assert reader.lookup("quiet", mine) == [Tier.CPU] * 4
+        slots_q2 = [s for _, s in reader.allocate(pool_q.pool_id, 4)]
+        assert reader.load(pool_q.pool_id, mine, slots_q2) == 4
+        for s, want in zip(slots_q2, quiet_data, strict=True):
+            assert torch.equal(pool_q.segments[0][s], want)
+        assert int(core.ledger.used(Tier.CPU)[quiet]) == 4 * PAGE
+    finally:
+        writer.close(grace=5)
+        reader.close(grace=5)
