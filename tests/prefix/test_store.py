@@ -8,11 +8,12 @@ from kvtier.prefix.store import FIRST_CHUNK, chunk_sizes
 def test_chunks_start_small_grow_and_cover_every_block() -> None:
     page, batch = 256 << 10, 64 << 20  # 256 blocks a batch
     sizes = chunk_sizes(1024, page, batch)
-    second = FIRST_CHUNK + FIRST_CHUNK // 4
-    assert sizes[:3] == [FIRST_CHUNK, second, min(2 * second, 256)] and sum(sizes) == 1024
-    assert max(sizes) == 256  # up to a batch's worth
+    assert sizes == [96, 120, 150, 187, 233, 238] and sum(sizes) == 1024  # a quarter more each
+    assert FIRST_CHUNK == 96
+    big = chunk_sizes(4096, page, batch)
+    assert max(big) == 256 and big.count(256) >= 10 and sum(big) == 4096  # up to a batch's worth
     small = chunk_sizes(16 * FIRST_CHUNK, page // 16, batch)  # 4,096 blocks a batch
-    assert small[:4] == [FIRST_CHUNK, second, 2 * second, 4 * second]
+    assert all(b == a + a // 4 for a, b in zip(small, small[1:-1], strict=False))
     assert chunk_sizes(10, page, 2 * page) == [2, 2, 2, 2, 2]  # the first is a batch's worth
     assert chunk_sizes(0, page, batch) == []
     assert chunk_sizes(5, page, batch) == [5]
