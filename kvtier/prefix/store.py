@@ -52,14 +52,13 @@ FIRST_CHUNK = 96
 def chunk_sizes(n: int, page_size: int, batch_bytes: int) -> list[int]:
     """How a store or load of ``n`` blocks is cut so that copies start early: the first chunk's
     key bookkeeping (hashes, lookups, page-table rows) is all that runs before the first copy;
-    each later chunk's runs while the chunks before it are copied. Each chunk is a quarter
-    larger than the one before (twice as large from ``4 * FIRST_CHUNK`` on), up to a batch's
-    worth: a chunk's bookkeeping and launch must fit
-    in the copy of the chunk before it (on an H100, ~2.1 us a block and ~0.24 ms a launch
-    against ~4.8 us a block of 256 KiB copied: from 96 blocks on, a quarter more fits; doubling
-    fits only from ~330, and left the copy engine idle after the second chunk). From four first
-    chunks on they double: small blocks, whose bookkeeping outlasts their copies whatever the
-    chunks, then need fewer launches."""
+    each later chunk's runs while the chunks before it are copied, so it must fit in their copy.
+    On an H100 that is ~2.1 us a block and ~0.24 ms a launch against ~4.8 us a block of 256 KiB
+    copied: from 96 blocks on a chunk a quarter larger fits, one twice as large only from ~330
+    (doubling after the second chunk left the copy engine idle at the third). So each chunk is
+    a quarter larger than the one before, twice as large from ``4 * FIRST_CHUNK`` on (small
+    blocks' bookkeeping outlasts their copies whatever the chunks: fewer launches), up to a
+    batch's worth."""
     most = max(1, batch_bytes // page_size)
     size, out = min(FIRST_CHUNK, most), []
     while n > 0:

@@ -277,3 +277,27 @@ def test_remote_hits_count_against_the_loading_tenants_cpu_quota(tmp_path):
     finally:
         writer.close(grace=5)
         reader.close(grace=5)
+
+
+def test_a_staging_given_back_frees_its_slots_and_the_tenants_charge(pair):
+    from kvtier.prefix import salt_key
+    from kvtier.prefix.shared import Stager, unstage
+
+    _, (a, b) = pair
+    (pool_a, slots_a), _ = stored_blocks(a, "t", 2)
+    assert a.store(pool_a.pool_id, [b"u0", b"u1"], slots_a) == 2
+    assert a.prefix._core.remote.flush(5)
+    core = b.prefix._core
+    with core.cond:
+        owner = core.ledger.owner("t")
+    stager = Stager(core, "t", owner, PAGE)
+    salted = [salt_key("t", k) for k in (b"u0", b"u1")]
+    assert core.remote.fetch_each(salted, PAGE, stager.take) == 2
+    staged = stager.staged(salted)
+    assert staged is not None and staged.owner == owner
+    assert int(core.ledger.used(Tier.CPU)[owner]) == 2 * PAGE  # counted while staged
+    with core.cond:
+        unstage(core, staged)
+    assert int(core.ledger.incoming[Tier.CPU, owner]) == 0
+    assert b.stats().tiers[1].used_bytes == 0
+    assert b.lookup("t", [b"u0"]) == [Tier.REMOTE]  # nothing landed
