@@ -69,7 +69,7 @@ class RemoteTier:
         self.medium, self.framer, self.admission = medium, framer, admission
         self._writer = WriteBehind(
             medium, self._encode, max_bytes=max_inflight_bytes, batch_bytes=batch_bytes,
-            ttl_s=ttl_s, threads=WRITE_THREADS,
+            ttl_s=ttl_s, threads=WRITE_THREADS, on_drop=self._forget,
         )
         self._fetchers = ThreadPoolExecutor(FETCH_THREADS, "kvtier-remote-fetch")
         self._lock = threading.Lock()
@@ -92,13 +92,21 @@ class RemoteTier:
             while len(self._recent) > RECENT_KEYS:
                 self._recent.popitem(last=False)
 
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        """Keys queued but evicted before they were written: worth offering again."""
+        with self._lock:
+            for key in keys:
+                self._recent.pop(key, None)
+
     def wants(self, salted: bytes) -> bool:
         """Whether a block is worth offering (not known to be in the store already)."""
         with self._lock:
             return salted not in self._recent
 
-    def offer(self, items: Sequence[tuple[bytes, bytearray]]) -> int:
-        taken = self._writer.offer(items)
+    def offer(self, items: Sequence[tuple[bytes, bytearray]], tenant: str = "") -> int:
+        """Queue one tenant's framed blocks for the store (fair between tenants: see
+        ``WriteBehind``); how many were queued."""
+        taken = self._writer.offer(items, tenant)
         self._remember([k for k, _ in items[:taken]])
         return taken
 

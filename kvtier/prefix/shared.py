@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvtier.core import EngineCore
 
 
-Held = list[tuple[int, bytes, int, int]]  # (row, salted key, page size, CPU slot)
+Held = list[tuple[int, bytes, int, int, str]]  # (row, salted key, page size, CPU slot, tenant)
 
 
 def hold(core: EngineCore, rows: np.ndarray) -> Held:
@@ -42,7 +42,8 @@ def hold(core: EngineCore, rows: np.ndarray) -> Held:
     for row in rows[t.at(rows, Tier.CPU)].tolist():
         salted = t.key_of.get(row)
         if salted is not None and remote.wants(salted):
-            held.append((row, salted, int(t.size[row]), int(t.slot[row])))
+            held.append((row, salted, int(t.size[row]), int(t.slot[row]),
+                         t.tenant_of.get(row, "")))
     if held:
         core.protect(np.array([h[0] for h in held], dtype=np.int64))
     return held
@@ -58,18 +59,18 @@ def offer(core: EngineCore, held: Held) -> int:
     offered = 0
     try:
         items: list[tuple[bytes, bytearray]] = []
-        pending = 0
-        for _, salted, size, slot in held:
+        pending, owner = 0, held[0][4]
+        for _, salted, size, slot, tenant in held:
             if core.closed:  # the host tier is being released: nothing to copy from
                 break
+            if tenant != owner or pending >= OFFER_BYTES:  # one tenant's items per offer
+                offered += remote.offer(items, owner) if items else 0
+                items, pending, owner = [], 0, tenant
             buf, body = remote.frame_buffer(salted, size)
             np.frombuffer(body, dtype=np.uint8)[:] = core.host.rows(size, [slot])[0].numpy()
             items.append((salted, buf))
             pending += size
-            if pending >= OFFER_BYTES:
-                offered += remote.offer(items)
-                items, pending = [], 0
-        return offered + (remote.offer(items) if items else 0)
+        return offered + (remote.offer(items, owner) if items else 0)
     finally:
         with core.cond:
             core.unprotect(np.array([h[0] for h in held], dtype=np.int64))

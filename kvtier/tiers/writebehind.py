@@ -1,10 +1,15 @@
 """Write-behind to a keyed medium: a bounded queue drained by its own threads.
 
 Contract:
-    * ``offer(items) -> int`` never blocks on the medium: it queues ``(name, payload)`` items while
-      their bytes fit in ``max_bytes`` and drops (and counts, reason ``queue_full``) the rest; it
-      returns how many were queued.
-    * Each of ``threads`` writer threads takes up to ``batch_bytes`` at a time, turns each item
+    * ``offer(items, owner) -> int`` never blocks on the medium: it queues ``(name, payload)``
+      items of one owner (a tenant) while their bytes fit in ``max_bytes`` and drops (and
+      counts, reason ``queue_full``) the rest; it returns how many were queued. The queue is
+      fair between owners (``kvtier/tiers/fairqueue.py``): when it is full, the owner with the
+      most bytes queued loses its newest items first (counted ``queue_full`` and reported to
+      ``on_drop``), so a flooding tenant cannot keep a light one's blocks out, and the writers
+      take the owners' items in turn.
+    * Each of ``threads`` writer threads takes up to ``batch_bytes`` (at most a quarter of
+      ``max_bytes``) at a time, turns each item
       into a ``(store key, value)`` with ``encode`` (framing and MAC happen here, off the
       caller's path) and writes the batch with one ``put_many``; items the medium did not
       write are dropped and counted (reason ``store``). Nothing is retried: a later Store of
@@ -18,11 +23,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.tiers.fairqueue import FairQueue
 from kvtier.tiers.keyed import KeyedMedium
 
 Payload = bytes | bytearray | memoryview
@@ -43,11 +48,16 @@ class WriteCounters:
 class WriteBehind:
     def __init__(
         self, medium: KeyedMedium, encode: Encode, *, max_bytes: int, batch_bytes: int,
-        ttl_s: int = 0, threads: int = 1,
+        ttl_s: int = 0, threads: int = 1, on_drop: Callable[[list[bytes]], object] | None = None,
     ) -> None:
+        """``on_drop(names)``: queued items evicted for another owner's (called without the
+        queue's lock)."""
         self._medium, self._encode, self._ttl_s = medium, encode, ttl_s
-        self._max_bytes, self._batch_bytes = max_bytes, max(1, batch_bytes)
-        self._queue: deque[tuple[bytes, Payload]] = deque()
+        # A writer's batch is at most a quarter of the bound: most of what waits stays queued,
+        # where a full queue can still make room for a light owner (items in flight can't).
+        self._max_bytes, self._batch_bytes = max_bytes, max(1, min(batch_bytes, max_bytes // 4))
+        self._on_drop = on_drop
+        self._queue: FairQueue[tuple[bytes, Payload]] = FairQueue()
         self._cond = threading.Condition()
         self.queued_bytes = 0  # queued or being written
         self._busy = 0  # batches being written
@@ -60,19 +70,29 @@ class WriteBehind:
         for t in self._threads:
             t.start()
 
-    def offer(self, items: Sequence[tuple[bytes, Payload]]) -> int:
+    def offer(self, items: Sequence[tuple[bytes, Payload]], owner: str = "") -> int:
+        evicted: list[tuple[bytes, Payload]] = []
         with self._cond:
             taken = 0
             for name, payload in items:
-                if self._closing or self.queued_bytes + len(payload) > self._max_bytes:
+                size = len(payload)
+                over = self.queued_bytes + size - self._max_bytes
+                if over > 0 and not self._closing:
+                    out = self._queue.make_room(owner, over, size)
+                    self.queued_bytes -= sum(len(p) for _, p in out)
+                    evicted += out
+                if self._closing or self.queued_bytes + size > self._max_bytes:
                     break
-                self._queue.append((name, payload))
-                self.queued_bytes += len(payload)
+                self._queue.push(owner, (name, payload), size)
+                self.queued_bytes += size
                 taken += 1
-            self.counters.drop("closed" if self._closing else "queue_full", len(items) - taken)
+            dropped = len(items) - taken + len(evicted)
+            self.counters.drop("closed" if self._closing else "queue_full", dropped)
             if taken:
                 self._cond.notify_all()
-            return taken
+        if evicted and self._on_drop is not None:
+            self._on_drop([name for name, _ in evicted])
+        return taken
 
     def _take(self) -> list[tuple[bytes, Payload]] | None:
         with self._cond:
@@ -81,9 +101,9 @@ class WriteBehind:
                     return None
                 self._cond.wait()
             batch: list[tuple[bytes, Payload]] = []
-            size = 0
-            while self._queue and (not batch or size + len(self._queue[0][1]) <= self._batch_bytes):
-                item = self._queue.popleft()
+            size, most = 0, self._batch_bytes
+            while self._queue and (not batch or size + self._queue.peek_size() <= most):
+                item = self._queue.pop()
                 batch.append(item)
                 size += len(item[1])
             self._busy += 1
@@ -119,9 +139,9 @@ class WriteBehind:
         self.flush(timeout)
         with self._cond:
             self._closing = True
-            self.counters.drop("closed", len(self._queue))
-            self.queued_bytes -= sum(len(p) for _, p in self._queue)
-            self._queue.clear()
+            left = self._queue.clear()
+            self.counters.drop("closed", len(left))
+            self.queued_bytes -= sum(len(p) for _, p in left)
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout)

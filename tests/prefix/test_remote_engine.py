@@ -301,3 +301,37 @@ def test_a_staging_given_back_frees_its_slots_and_the_tenants_charge(pair):
     assert int(core.ledger.incoming[Tier.CPU, owner]) == 0
     assert b.stats().tiers[1].used_bytes == 0
     assert b.lookup("t", [b"u0"]) == [Tier.REMOTE]  # nothing landed
+
+
+def test_a_flooding_tenant_cannot_keep_anothers_blocks_out_of_the_store(tmp_path):
+    """The write-behind queue is full of one tenant's blocks while the store hangs: another
+    tenant's store still gets its blocks written (the flooder's newest make the room, and are
+    known as not written)."""
+    medium, secret = DictMedium(), secret_file(tmp_path)
+    cfg = small_config(None, remote_secret_file=secret, remote_inflight_mb=1,
+                       cpu_memory_gb=1024 * PAGE / 2**30)
+    with TierEngine(cfg, remote_medium=medium) as e, \
+            TierEngine(small_config(None, remote_secret_file=secret),
+                       remote_medium=medium) as other:
+        (pool_n, slots_n), _ = stored_blocks(e, "noisy", 4)
+        flood = [b"f%d" % i for i in range(400)]  # ~1.6 MiB framed: more than the queue
+        with medium._lock:  # the store hangs: nothing leaves the queue
+            assert e.store(pool_n.pool_id, flood, [slots_n[i % 4] for i in range(400)]) == 400
+            (pool_q, slots_q), data = stored_blocks(e, "quiet", 2, seed=3)
+            assert e.store(pool_q.pool_id, [b"q0", b"q1"], slots_q) == 2
+        assert e.prefix._core.remote.flush(10)
+        assert other.lookup("quiet", [b"q0", b"q1"]) == [Tier.REMOTE] * 2
+        pool_o = other.attach("quiet", 8)
+        got = [s for _, s in other.allocate(pool_o.pool_id, 2)]
+        assert other.load(pool_o.pool_id, [b"q0", b"q1"], got) == 2
+        for s, want in zip(got, data, strict=True):
+            assert torch.equal(pool_o.segments[0][s], want)
+        dropped = e.stats().remote.dropped.get("queue_full", 0)
+        assert dropped > 0  # noisy's blocks past the queue
+        missing = [k for k in flood if other.lookup("noisy", [k]) != [Tier.REMOTE]]
+        assert len(missing) == dropped
+        from kvtier.prefix import salt_key
+
+        remote = e.prefix._core.remote  # a block dropped from the queue is worth offering again
+        assert all(remote.wants(salt_key("noisy", k)) for k in missing)
+        assert not remote.wants(salt_key("quiet", b"q0"))
