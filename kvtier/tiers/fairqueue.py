@@ -48,7 +48,8 @@ class FairQueue(Generic[T]):
     def pop(self) -> T:
         owner = self._turn.popleft()
         item, size = self._queues[owner].popleft()
-        self._take_off(owner, size)
+        if self._take_off(owner, size):
+            self._turn.append(owner)  # more of its items: its next turn comes after the others'
         return item
 
     def make_room(self, owner: str, need: int, size: int) -> list[T]:
@@ -59,7 +60,8 @@ class FairQueue(Generic[T]):
             if heavy == owner or self._bytes[heavy] <= mine:
                 break
             item, n = self._queues[heavy].pop()
-            self._take_off(heavy, n)
+            if not self._take_off(heavy, n):
+                self._turn.remove(heavy)
             evicted.append(item)
             need -= n
         return evicted
@@ -72,15 +74,12 @@ class FairQueue(Generic[T]):
         self.bytes = 0
         return items
 
-    def _take_off(self, owner: str, size: int) -> None:
-        """``size`` bytes of ``owner`` left the queue; an owner with none left leaves the turn,
-        one with more goes to the back of it (``pop`` took it off the front already)."""
+    def _take_off(self, owner: str, size: int) -> bool:
+        """``size`` bytes of ``owner`` left the queue; whether it has items left (an owner with
+        none is forgotten here, and taken out of the turn by the caller)."""
         self._bytes[owner] -= size
         self.bytes -= size
         if self._queues[owner]:
-            if owner not in self._turn:
-                self._turn.append(owner)
-        else:
-            del self._queues[owner], self._bytes[owner]
-            if owner in self._turn:
-                self._turn.remove(owner)
+            return True
+        del self._queues[owner], self._bytes[owner]
+        return False

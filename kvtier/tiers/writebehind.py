@@ -78,9 +78,9 @@ class WriteBehind:
                 size = len(payload)
                 over = self.queued_bytes + size - self._max_bytes
                 if over > 0 and not self._closing:
-                    out = self._queue.make_room(owner, over, size)
-                    self.queued_bytes -= sum(len(p) for _, p in out)
-                    evicted += out
+                    before = self._queue.bytes
+                    evicted += self._queue.make_room(owner, over, size)
+                    self.queued_bytes -= before - self._queue.bytes
                 if self._closing or self.queued_bytes + size > self._max_bytes:
                     break
                 self._queue.push(owner, (name, payload), size)
