@@ -162,35 +162,34 @@ def plan(
         raise InvalidArgument("total_tokens", f"{total_tokens} < the {end} tokens of the blocks")
     start = first * block_tokens
     recompute = prefill.seconds(start, total_tokens)
-    # Each block's load seconds (a tier's latency once, at its first block), all at once; loads
-    # stop at the first block of a tier with no cost.
-    codes = np.array(tiers, dtype=np.int64).reshape(-1)
-    rate = np.zeros(int(codes.max(initial=0)) + 1)
-    for tier, cost in costs.items():
-        if int(tier) < len(rate):
-            rate[int(tier)] = cost.bytes_per_s
-    known = rate[codes] > 0
-    n = int(np.argmin(known)) if not known.all() else len(codes)
-    if n == 0:
-        return Plan(0, len(tiers), 0.0, recompute, recompute, 0.0, 0, below_s)
-    codes = codes[:n]
-    below_mask = codes > int(Tier.CPU)
-    step = block_bytes / rate[codes] + below_s * below_mask
-    for code in np.unique(codes).tolist():
-        step[int(np.argmax(codes == code))] += costs[Tier(code)].latency_s
-    load_s = overhead_s + np.cumsum(step)
-    ends = (first + np.arange(1, n + 1)) * block_tokens
-    compute = np.where(ends < total_tokens, (total_tokens - ends) / prefill.tokens_per_s
-                       + prefill.attention_s * (total_tokens**2 - ends**2) / 2, 0.0)
-    totals = load_s + compute
-    low = float(totals.min())
+    # One pass over the blocks in plain Python: a prefix is tens to hundreds of blocks, where
+    # numpy's per-call costs (~50 us a plan) outweigh the arithmetic. Loads stop at the first
+    # block of a tier with no cost; a tier's latency is paid once, at its first block.
+    per_block = {int(t): block_bytes / c.bytes_per_s for t, c in costs.items()}
+    latency = {int(t): c.latency_s for t, c in costs.items()}
+    cpu, tps, att = int(Tier.CPU), prefill.tokens_per_s, prefill.attention_s
+    sq, summed, n_below, end = total_tokens * total_tokens, 0.0, 0, start
     best = (recompute, 0, 0.0, 0)  # (total seconds, blocks, load seconds, blocks below CPU)
-    if low <= recompute:  # the most blocks among the cheapest plans
-        k = int(np.flatnonzero(totals == low)[-1]) + 1
-        best = (low, k, float(load_s[k - 1]), int(below_mask[:k].sum()))
-    total, k, loaded, n_below = best
+    for code in map(int, tiers):
+        step = per_block.get(code)
+        if step is None:
+            break
+        if code > cpu:
+            step += below_s
+            n_below += 1
+        if code in latency:
+            step += latency.pop(code)
+        summed += step
+        end += block_tokens
+        load_s = overhead_s + summed
+        total = load_s  # + the prefill of what follows (``PrefillModel.seconds``, inlined)
+        if end < total_tokens:
+            total += (total_tokens - end) / tps + att * ((sq - end * end) / 2)
+        if total <= best[0]:  # ties go to loading more
+            best = (total, end // block_tokens - first, load_s, n_below)
+    total, k, loaded, below = best
     return Plan(k, len(tiers), loaded, total - loaded, recompute, overhead_s if k else 0.0,
-                n_below, below_s)
+                below, below_s)
 
 
 @dataclass(slots=True)

@@ -89,6 +89,8 @@ def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
         stored = prefix.lendable(pool, salted)
         tiers = _tiers(core, stored)
         n = len(stored) if plan is None else max(0, min(len(stored), int(plan(tiers))))
+        if n == 0:  # nothing lent (a plan to recompute): nothing to protect, touch or count
+            return Borrowed([], [], True)
         rows = prefix.resident_prefix(pool, salted[:n])
         try:
             slots = core.table.slot[rows].tolist()
