@@ -11,7 +11,7 @@ from __future__ import annotations
 import array
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -133,3 +133,29 @@ def check_timeout(field: str, value: object) -> float:
     ):
         raise InvalidArgument(field, f"must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def unrepeated(
+    keys: Sequence[bytes], slots: Sequence[int]
+) -> tuple[Sequence[bytes], Sequence[int]]:
+    """A load's keys and slots up to the first key repeated in them: a prefix of chained keys
+    never repeats one, so the prefix ends there (a repeat would restore, protect and copy one
+    page twice). Unchanged when their lengths differ or a key can't be hashed: ``args`` then
+    names what is wrong."""
+    if len(keys) != len(slots):
+        return keys, slots
+    try:
+        n = first_repeat(keys) if len(set(keys)) < len(keys) else len(keys)
+    except TypeError:
+        return keys, slots
+    return keys[:n], slots[:n]
+
+
+def first_repeat(items: Sequence[Hashable]) -> int:
+    """Index of the first item equal to an earlier one (``len(items)`` when none is)."""
+    seen: set[Hashable] = set()
+    for i, item in enumerate(items):
+        if item in seen:
+            return i
+        seen.add(item)
+    return len(items)

@@ -36,7 +36,7 @@ import torch
 from kvtier.prefix.salt import salt_keys
 from kvtier.prefix.shared import Held, offer
 from kvtier.types import PoolId, Tier
-from kvtier.validate import check_keys
+from kvtier.validate import check_keys, first_repeat
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
@@ -81,6 +81,7 @@ class Borrowed:
 def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
            plan: Plan | None = None) -> Borrowed:
     keys = check_keys("keys", keys)
+    keys = keys[: first_repeat(keys)]  # a prefix ends at a repeated key (``unrepeated``)
     core = prefix.core
     reused: Held = []
     with core.cond:

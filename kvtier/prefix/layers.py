@@ -36,6 +36,7 @@ from kvtier.prefix.shared import Held, land, offer, unstage
 from kvtier.state.pool import Pool
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PoolId
+from kvtier.validate import unrepeated
 
 if TYPE_CHECKING:
     from kvtier.prefix.store import PrefixStore
@@ -68,6 +69,7 @@ def load_layers(
     bounds: Sequence[int],
 ) -> Iterator[int]:
     core = prefix.core
+    keys, slots = unrepeated(keys, slots)
     with core.cond:
         pool = prefix.pool(pool_id)
         keys, slots = prefix.args(pool, keys, slots)

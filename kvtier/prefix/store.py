@@ -40,7 +40,7 @@ from kvtier.state.pool import Pool
 from kvtier.state.table import EMPTY
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PageState, PoolId, Tier
-from kvtier.validate import check_keys, check_name, check_slots
+from kvtier.validate import check_keys, check_name, check_slots, first_repeat, unrepeated
 
 # Blocks whose bookkeeping precedes the first copy of a store or a load. Smaller first chunks
 # start the copies sooner but leave the copy engine idle between the next few launches (each
@@ -226,6 +226,7 @@ class PrefixStore:
             self._core.ledger.misses[owner] += 1
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        keys, slots = unrepeated(keys, slots)
         loaded = self._load_once(pool_id, keys, slots)
         # A remote fetch brings a bounded window past the local prefix: while a pass loads
         # something, the next one fetches on from where it stopped (a miss ends it).
@@ -417,11 +418,15 @@ class PrefixStore:
         return bool(len(on_disk))
 
     def prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
-        """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size."""
+        """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size. A
+        key repeated in ``salted`` ends it at the repeat: chained keys never repeat, and every
+        caller needs distinct rows (one restore, one protect, one copy source per page)."""
         t = self._core.table
         found = list(map(t.by_key.get, salted))
         if None in found:
             found = found[: found.index(None)]
+        if len(set(found)) < len(found):
+            found = found[: first_repeat(found)]
         rows = np.array(found, dtype=np.int64) if found else EMPTY
         bad = t.dropped(rows) | (t.size[rows] != pool.page_size)
         return rows[: int(np.argmax(bad))] if bad.any() else rows
@@ -432,3 +437,4 @@ class PrefixStore:
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("copy of stored blocks timed out")
             self._core.cond.wait(0.05)
+
