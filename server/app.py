@@ -28,7 +28,7 @@ from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 from .auth import TokenAuth
 from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
-from .fdpass import FdExchange, session_paths
+from .fdpass import FdExchange, descriptor_limit, session_paths
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
@@ -165,7 +165,8 @@ def _sessions(config: OffloadConfig, engine: Any, lane: FastLane | None,
         if lane is not None:
             lane.revoke(pool_id)
 
-    return FdExchange(paths, lease_s=config.lease_s, detach=detach, executor=executor)
+    return FdExchange(paths, lease_s=config.lease_s, detach=detach, executor=executor,
+                      fd_limit=descriptor_limit())
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

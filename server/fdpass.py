@@ -28,8 +28,10 @@ import array
 import asyncio
 import logging
 import os
+import resource
 import socket
 import struct
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -48,6 +50,28 @@ MAX_TENANT = 128
 MAX_CONNS = 1024
 _FDS_PER_READ = 4  # descriptors one read accepts; the kernel closes any beyond this
 _SWEEP_S = 1.0
+_PAUSE_S = 0.25  # the listeners rest this long after accept ran out of descriptors
+_WARN_S = 10.0  # and say so at most this often
+
+
+def descriptor_shares(limit: int) -> tuple[int, int]:
+    """(session connections, unredeemed deposits) the daemon takes at most, for a process
+    limit of ``limit`` descriptors: an eighth and a quarter of it, so sessions can never hold
+    more than about a third of the descriptors the daemon needs for pools, files and gRPC."""
+    return max(8, min(MAX_CONNS, limit // 8)), max(16, limit // 4)
+
+
+def descriptor_limit() -> int:
+    """This process's descriptor limit (soft), raised to the hard limit first where it is
+    lower (a daemon serving many clients wants them all; the shell's default is often 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -59,16 +83,20 @@ class _Conn:
 
 
 class FdExchange:
-    """Tickets, leases and the listener; ``detach(pool_id)`` runs on ``executor`` threads."""
+    """Tickets, leases and the listener; ``detach(pool_id)`` runs on ``executor`` threads;
+    ``fd_limit``: the process's descriptor limit (``descriptor_limit``), which bounds how many
+    sessions and deposits are taken (``descriptor_shares``)."""
 
     def __init__(self, paths: list[str], *, lease_s: float, detach: Callable[[int], None],
-                 executor: Executor, ttl: float = 30.0) -> None:
+                 executor: Executor, ttl: float = 30.0, fd_limit: int = 1024) -> None:
         self.paths, self.path, self.lease_s = paths, paths[0], lease_s
-        self.tickets, self.leases = Tickets(ttl), Leases()
+        self.max_conns, deposits = descriptor_shares(fd_limit)
+        self.tickets, self.leases = Tickets(ttl, max_total=deposits), Leases()
+        self._warned = 0.0
         self._detach, self._executor = detach, executor
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[socket.socket] = []
-        self._conns: set[_Conn] = set()
+        self._conns: dict[_Conn, None] = {}  # oldest first
         self._sweeper: asyncio.TimerHandle | None = None
 
     # --- called by the servicer (worker threads) -----------------------------------------------
@@ -120,16 +148,43 @@ class FdExchange:
             sock, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:  # out of descriptors: refuse this one, keep serving
-            log.warning("session socket: accept failed: %s", exc)
+        except OSError as exc:  # out of descriptors: rest (the connection waits in the backlog)
+            self._rest(listener, exc)
             return
-        if len(self._conns) >= MAX_CONNS:
+        if len(self._conns) >= self.max_conns and not self._make_room():
             sock.close()
             return
         sock.setblocking(False)
         conn = _Conn(sock, self.leases.open())
-        self._conns.add(conn)
+        self._conns[conn] = None
         self._loop.add_reader(sock, self._readable, conn)
+
+    def _make_room(self) -> bool:
+        """At the connection cap: close the oldest connection that holds no pool (idle, or
+        only deposits), so connections opened and left idle can't keep clients out; a client
+        whose session closed reconnects on its next session call. False: every one holds a
+        pool (pools cost memory, which the tiers and quotas bound)."""
+        holding = self.leases.holders()
+        for conn in self._conns:
+            if conn.session not in holding:
+                self._close(conn)
+                return True
+        return False
+
+    def _rest(self, listener: socket.socket, exc: OSError) -> None:
+        """Stop accepting for ``_PAUSE_S``: the pending connection stays readable, so accepting
+        again at once would spin the event loop (and the log) until a descriptor is free."""
+        assert self._loop is not None
+        now = time.monotonic()
+        if now - self._warned >= _WARN_S:
+            self._warned = now
+            log.warning("session socket: accept failed (%s); pausing new sessions", exc)
+        self._loop.remove_reader(listener)
+        self._loop.call_later(_PAUSE_S, self._resume, listener)
+
+    def _resume(self, listener: socket.socket) -> None:
+        if self._loop is not None and listener in self._listeners:
+            self._loop.add_reader(listener, self._accept, listener)
 
     def _readable(self, conn: _Conn) -> None:
         try:
@@ -207,7 +262,7 @@ class FdExchange:
     def _close(self, conn: _Conn, *, reap: bool = True) -> None:
         if conn not in self._conns:
             return
-        self._conns.discard(conn)
+        self._conns.pop(conn, None)
         if self._loop is not None:
             self._loop.remove_reader(conn.sock)
         conn.sock.close()

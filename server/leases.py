@@ -13,6 +13,7 @@ Contract:
     * ``reap(pools) -> list[pool_id]``: of ``pools``, those still orphaned, which stop being
       tracked (the caller detaches them).
     * ``forget(pool_id)``: the pool was detached by its client; nothing more to do for it.
+    * ``holders()``: the sessions that hold a pool now.
     * Unbound pools (a ticket never redeemed: a TCP client in CUDA mode) are never reaped.
 """
 
@@ -65,6 +66,11 @@ class Leases:
     def forget(self, pool_id: int) -> None:
         with self._lock:
             self._holder.pop(pool_id, None)
+
+    def holders(self) -> set[int]:
+        """The sessions holding at least one pool."""
+        with self._lock:
+            return set(self._holder.values())
 
     def held(self, session: int) -> list[int]:
         """The pools a session holds (live or not), for tests and status."""

@@ -13,7 +13,8 @@ Contract:
     * ``renewable(ticket, tenant) -> pool_id | None``: a redeemed ticket keeps proving that its
       holder leased the pool (no memory comes with it), until ``forget_pool(pool_id)``.
     * ``deposit(tenant, fd, conn) -> ticket | None``: a client's memfd (the registry owns ``fd``
-      from here on, even on ``None``: at most ``MAX_DEPOSITS`` per connection).
+      from here on, even on ``None``: at most ``MAX_DEPOSITS`` per connection and
+      ``max_total`` in all, each holding a daemon descriptor until taken or expired).
     * ``take_deposit(ticket, tenant) -> (fd, conn) | None``: as ``redeem``, for deposits.
     * ``drop_conn(conn)``: a closed connection's deposits are closed.
     * ``expire(now) -> list[pool_id]``: drops expired tickets; returns the pools of expired memfd
@@ -48,8 +49,8 @@ def _key(ticket: bytes) -> bytes:
 
 
 class Tickets:
-    def __init__(self, ttl: float = 30.0) -> None:
-        self.ttl = ttl
+    def __init__(self, ttl: float = 30.0, max_total: int = 4096) -> None:
+        self.ttl, self.max_total = ttl, max_total
         self._lock = threading.Lock()
         self._pools: dict[bytes, _Entry] = {}
         self._deposits: dict[bytes, _Entry] = {}
@@ -87,7 +88,7 @@ class Tickets:
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             held = sum(1 for e in self._deposits.values() if e.conn == conn)
-            if held < MAX_DEPOSITS:
+            if held < MAX_DEPOSITS and len(self._deposits) < self.max_total:
                 self._deposits[_key(ticket)] = _Entry(
                     tenant, fd, time.monotonic() + self.ttl, conn=conn)
                 return ticket

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
 from kvtier.client.fdpass import DEPOSIT, REQUEST, Session
 from kvtier.client.ipc import SharedMemory
-from kvtier_daemon_fixture import PAGE, Daemon, daemon_env
+from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args
 
 from kvtier.errors import FailedPrecondition
 from kvtier.types import Tier
@@ -158,6 +159,64 @@ def test_hostile_session_clients_cost_nothing_and_change_nothing(
         slots = owner.acquire(att, [got[0][0]])  # the owner's pool and bytes are untouched
         assert slots is not None and bool((att.tensor[slots[0]] == 9).all())
         assert pools(d) == 1 and d.proc.poll() is None
+
+
+def cpu_seconds(d: Daemon) -> float:
+    fields = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_session_floods_stay_within_a_share_of_the_descriptor_limit(
+        spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    """One memfd deposited again and again on many connections used to take a descriptor per
+    deposit, up to 1,024 connections x 64 (past the process limit: accept then failed in a
+    loop that spun a core and flooded the log), and idle connections at the cap kept every
+    new client out. Now sessions take at most an eighth of the limit and deposits a quarter,
+    and at the cap the oldest connection holding no pool makes way."""
+    limit = 512  # sessions: 64, deposits: 128
+    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0)
+    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]], env=daemon_env())
+    with d.client("owner") as owner:
+        att = owner.attach(4)
+        (page, slot), = owner.allocate(att, 1)
+        assert att.tensor is not None
+        att.tensor[slot].fill_(7)
+        base = fd_count(d)
+        mem = SharedMemory(PAGE)
+        frame = REQUEST.pack(DEPOSIT, 4, bytes(32)) + b"evil"
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [mem.fd]))]
+        socks, refused = [], 0
+        deadline = time.monotonic() + 60
+        for _ in range(100):  # more connections than the cap, each depositing to the limit
+            s = raw(d)
+            socks.append(s)
+            for _ in range(64):
+                assert time.monotonic() < deadline, "the session socket stopped answering"
+                try:
+                    s.sendmsg([frame], anc)
+                    reply = s.recv(33)
+                except OSError:
+                    break  # closed to make room for a newer connection
+                if not reply:
+                    break
+                refused += reply[0] != 0
+        assert refused > 0
+        assert fd_count(d) - base <= limit // 8 + limit // 4 + 8
+        busy = cpu_seconds(d)
+        with d.client("victim") as victim:  # a new client still gets a session and a pool
+            v = victim.attach(2)
+            assert victim.allocate(v, 1) is not None
+        slots = owner.acquire(att, [page])  # the owner's session and bytes are untouched
+        assert slots is not None and bool((att.tensor[slots[0]] == 7).all())
+        time.sleep(1.0)
+        assert cpu_seconds(d) - busy < 0.5  # no loop spinning on a connection
+        for s in socks:
+            s.close()
+        mem.close()
+        wait_fds(d, base + 2)  # the victim's pool may still be leased
+    assert "accept failed" not in d.output() and d.proc.poll() is None
 
 
 def test_a_client_that_reconnects_within_the_grace_keeps_its_pools(
