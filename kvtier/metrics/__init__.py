@@ -44,7 +44,7 @@ def _direction(d: Direction) -> str:
 
 
 # Every reason the engine can drop a page for: exported at 0 so dashboards and alerts see them.
-DROP_REASONS = ("cpu_full", "corrupt", "disk_full", "no_admission", "shutdown",
+DROP_REASONS = ("cpu_full", "corrupt", "disk_full", "no_admission", "replaced", "shutdown",
                 "tenant_quota")
 
 

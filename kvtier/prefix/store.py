@@ -114,8 +114,9 @@ class PrefixStore:
             with self.lend(pool, Direction.GPU_TO_CPU) as loan:
                 pending = Copies(pool, Direction.GPU_TO_CPU, loan)
                 for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                    todo = self._new_keys(pool, keys[at : at + size], slots[at : at + size])
-                    stored += size - len(todo)  # already stored (or earlier in this call)
+                    todo, busy = self._new_keys(pool, keys[at : at + size],
+                                                slots[at : at + size])
+                    stored += size - len(todo) - busy  # already stored (or earlier in this call)
                     at += size
                     full = self._store_chunk(pool, list(todo.items()), pending, started)
                     started += pending.submit(core)
@@ -129,15 +130,34 @@ class PrefixStore:
         offer(core, held)  # copies for the write-behind, without the engine lock
         return stored
 
-    def _new_keys(self, pool: Pool, keys: list[bytes], slots: list[int]) -> dict[bytes, int]:
-        """Salted key -> slot of each key not stored yet (the first of repeats in ``keys``)."""
+    def _new_keys(
+        self, pool: Pool, keys: list[bytes], slots: list[int]
+    ) -> tuple[dict[bytes, int], int]:
+        """Salted key -> slot of each key not stored yet at ``pool``'s page size (the first of
+        repeats in ``keys``), and how many keys can't be stored now.
+
+        A key stored only at another page size holds another layout's bytes, which a load at
+        this size never returns: its page is replaced (dropped, counted ``replaced``), unless
+        it is in use (being loaded, or moving), when the key is not stored by this call."""
+        t = self._core.table
         salted = salt_keys(pool.tenant, keys)
         todo: dict[bytes, int] = {}
-        for key, slot, row in zip(salted, slots, map(self._core.table.by_key.get, salted),
-                                  strict=True):
-            if row is None and key not in todo:
+        other: dict[bytes, int] = {}  # key -> its row at another page size
+        for key, slot, row in zip(salted, slots, map(t.by_key.get, salted), strict=True):
+            if key in todo:
+                continue
+            if row is None:
                 todo[key] = slot
-        return todo
+            elif t.size[row] != pool.page_size:
+                todo[key], other[key] = slot, row
+        if not other:
+            return todo, 0
+        rows = np.fromiter(other.values(), dtype=np.int64, count=len(other))
+        free = t.settled(rows) & (t.protect[rows] == 0)
+        self._core.drop(rows[free], "replaced")
+        for key in (k for k, ok in zip(other, free.tolist(), strict=True) if not ok):
+            del todo[key]
+        return todo, int((~free).sum())
 
     def _store_chunk(
         self, pool: Pool, items: list[tuple[bytes, int]], pending: Copies, started: list[Moves]

@@ -340,6 +340,30 @@ def test_a_key_repeated_in_a_load_ends_its_prefix_and_leaks_nothing(make_engine)
         assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == i + 1
 
 
+def test_a_key_stored_at_another_page_size_is_replaced_not_counted_as_stored(make_engine):
+    """A key stored from a pool of another page size (another layout; or records a daemon of
+    another page size left on disk) counted as stored, so a store at this size stored nothing
+    and every load at this size missed it for good."""
+    engine = make_engine()
+    big = engine.attach("t", 4, page_size=2 * PAGE)
+    small = engine.attach("t", 4)
+    b_slots = [s for _, s in engine.allocate(big.pool_id, 3)]
+    s_slots = [s for _, s in engine.allocate(small.pool_id, 3)]
+    for i, (b, s) in enumerate(zip(b_slots, s_slots, strict=True)):
+        big.segments[0][b].fill_(10 + i)
+        small.segments[0][s].fill_(20 + i)
+    keys = [b"a", b"b", b"c"]
+    assert engine.store(big.pool_id, keys, b_slots) == 3
+    assert engine.store(small.pool_id, keys, s_slots) == 3
+    assert engine.store(small.pool_id, keys, s_slots) == 3  # now present at this size
+    small.segments[0].zero_()
+    assert engine.load(small.pool_id, keys, s_slots) == 3
+    for i, s in enumerate(s_slots):
+        assert int(small.segments[0][s].min()) == int(small.segments[0][s].max()) == 20 + i
+    assert engine.load(big.pool_id, keys, b_slots) == 0  # the other layout's pages are gone
+    assert engine.stats().counters.drops.get("replaced") == 3
+
+
 def test_concurrent_acquires_of_overlapping_pages_pin_each_page_once_per_acquire(make_engine):
     """Restores past the inline limit are queued, so the second acquire waits on pages the
     first is already waiting for."""
