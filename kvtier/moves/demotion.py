@@ -135,12 +135,40 @@ class Cascade:
             if need > 0:
                 self.make_room(tier, page_size, need, owners)
             got = self._alloc(tier, page_size, n)
+        if got is None and tier == Tier.CPU:  # the budget may be held by other page sizes
+            self._vacate_chunk(page_size, owners, bool(self._place.policies[tier].get(page_size)))
         if got is None:  # as many as there are, one at a time
             parts: list[np.ndarray] = []
             while len(parts) < n and (one := self._alloc(tier, page_size, 1)) is not None:
                 parts.append(one)
             got = np.concatenate(parts) if parts else EMPTY
         return got
+
+    def _vacate_chunk(self, page_size: int, owners: np.ndarray | None, own: bool) -> None:
+        """The CPU tier has no slot of ``page_size`` and its budget is taken by chunks (each
+        page size has chunks of its own): send the pages of the other sizes' chunk with the
+        fewest in use one step down, so it empties and its budget comes free. Otherwise a
+        tenant storing a few blocks of many page sizes could keep every other size out of the
+        CPU tier, or (``own``: ``page_size`` has pages of its own to push out) down to a chunk.
+        With ``own``, only a chunk at most a quarter used is emptied. One chunk at a time
+        (none while one's pages are still on their way out), and only one whose every page
+        may be a victim."""
+        place, t = self._place, self._place.table
+        protected = self._victims_of(Tier.CPU, owners)
+        for size, first, per, used in place.host.chunks_in_use(exclude=page_size):
+            if own and used * 4 > per:
+                return  # sorted: no sparser chunk follows
+            rows = t.settled_in_slots(Tier.CPU, size, first, first + per)
+            if len(rows) < used:  # some moving in or out: wait for them
+                if not len(rows):
+                    return  # a chunk being emptied (or filled): its end frees budget first
+                continue
+            if protected(rows).any():
+                continue
+            place.counters.evictions[place.wire[Tier.CPU]] += len(rows)
+            place.ledger.evictions[place.wire[Tier.CPU]] += place.ledger.per_owner(t.owner[rows])
+            self.demote(Tier.CPU, rows, size)
+            return
 
     def make_room(self, tier: int, page_size: int, n: int, owners: np.ndarray | None) -> None:
         """Push ``n`` of ``tier``'s victims one step down the chain (never a page a restore

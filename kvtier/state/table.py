@@ -354,6 +354,13 @@ class PageTable:
     def dropped(self, rows: np.ndarray) -> np.ndarray:
         return self.state[rows] == _S_DROPPED
 
+    def settled_in_slots(self, tier: int, size: int, lo: int, hi: int) -> np.ndarray:
+        """Rows of ``size`` settled in ``tier`` whose slot is in ``[lo, hi)``."""
+        h = self._high
+        hit = (self.state[:h] == _S_HOME + tier) & (self.size[:h] == size)
+        hit &= (self.slot[:h] >= lo) & (self.slot[:h] < hi)
+        return np.flatnonzero(hit).astype(np.int64)
+
     def live_rows(self) -> np.ndarray:
         """Every row holding a page."""
         return np.flatnonzero(self.state[: self._high] != _S_NONE).astype(np.int64)

@@ -15,7 +15,8 @@ Contract (see ``kvtier.tiers.base``): ``HostArena(budget_bytes, chunk_bytes, pin
       versions do one numpy pass per batch and Python work per run only, never per slot.
     * A chunk that becomes entirely free stays mapped and pinned (pinning costs far more than
       the copies it serves); such spare chunks are released as soon as another page size or a
-      pooled buffer needs their budget.
+      pooled buffer needs their budget. ``chunks_in_use(exclude)`` lists the other sizes' chunks
+      by how many slots are in use, for a caller that empties one to free its budget.
     * ``get_buffer(nbytes)``/``put_buffer(buf)``: exact-size pooled buffers that share the budget.
       Idle pooled buffers are released when the budget is needed elsewhere.
 All methods are thread-safe.
@@ -257,6 +258,16 @@ class HostArena:
                 spans.append((chunk_no * slab.per_chunk + start, k))
             slab.used += n
             return spans
+
+    def chunks_in_use(self, exclude: int) -> list[tuple[int, int, int, int]]:
+        """``(page_size, first slot, slots, slots in use)`` of every chunk of the other page
+        sizes that has slots in use, fewest in use first: what to empty when ``exclude`` finds
+        the budget taken (an emptied chunk is spare, released for another size)."""
+        with self._lock:
+            out = [(s.per_chunk - rs.total, size, no * s.per_chunk, s.per_chunk)
+                   for size, s in self._slabs.items() if size != exclude
+                   for no, rs in s.free.items() if rs.total < s.per_chunk]
+        return [(size, first, per, used) for used, size, first, per in sorted(out)]
 
     def is_pinned(self, page_size: int, slot: HostSlot) -> bool:
         slab = self._slabs[page_size]

@@ -1,0 +1,38 @@
+"""kvtier/moves/demotion.py: the cascade, against real engines in CPU mode (real bytes)."""
+
+from __future__ import annotations
+
+from kvtier.types import Tier
+
+KIB = 1024
+
+
+def test_a_few_blocks_of_many_page_sizes_cannot_keep_another_size_out_of_the_cpu_tier(
+        make_engine):
+    """Each page size has chunks of its own in the CPU tier: one block each of four sizes held
+    a 4-chunk tier's whole budget (a tenant using 40 KiB of 4 MiB), and every store or offload
+    of a fifth size got no slot. Now the sparsest chunk of another size is emptied down the
+    chain for it, and the blocks sent down still load exactly."""
+    # A 4-chunk CPU tier; the disk gives each page size 64 MiB extents: room for five sizes.
+    engine = make_engine(cpu_memory_gb=4 / 1024, pinned_chunk_mb=1, disk_gb=0.5,
+                         disk_admission="always")
+    sizes = [4 * KIB, 8 * KIB, 12 * KIB, 16 * KIB]
+    evil = []
+    for i, size in enumerate(sizes):
+        pool = engine.attach("evil", 2, page_size=size)
+        (_, slot), = engine.allocate(pool.pool_id, 1)
+        pool.segments[0][slot].fill_(i + 1)
+        assert engine.store(pool.pool_id, [f"e{i}".encode()], [slot]) == 1
+        evil.append((pool, slot))
+    victim = engine.attach("victim", 8, page_size=20 * KIB)
+    slots = [s for _, s in engine.allocate(victim.pool_id, 8)]
+    for i, s in enumerate(slots):
+        victim.segments[0][s].fill_(100 + i)
+    keys = [f"v{i}".encode() for i in range(8)]
+    assert engine.store(victim.pool_id, keys, slots) == 8
+    assert set(engine.lookup("victim", keys)) == {Tier.CPU}
+    assert Tier.DISK in [t for i in range(4) for t in engine.lookup("evil", [f"e{i}".encode()])]
+    for i, (pool, slot) in enumerate(evil):  # what went down comes back exactly
+        pool.segments[0][slot].zero_()
+        assert engine.load(pool.pool_id, [f"e{i}".encode()], [slot]) == 1
+        assert int(pool.segments[0][slot].min()) == int(pool.segments[0][slot].max()) == i + 1
