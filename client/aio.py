@@ -54,8 +54,16 @@ class AsyncKVTierClient:
             return None
         lane = self._lanes.get(sync_lane.path)
         if lane is None:
-            lane = self._lanes[sync_lane.path] = AsyncFastLane(sync_lane.path)
+            lane = self._lanes[sync_lane.path] = AsyncFastLane(sync_lane.path, self.timeout)
         return await lane.call(frame)
+
+    def _attached(self, att: Attachment) -> Attachment:
+        """A new pool on a lane's socket: a lane that failed is tried again at once (a daemon
+        restarted, then ``reattach``), not only after its backoff."""
+        lane = self._lanes.get(att.fast_lane.path) if att.fast_lane is not None else None
+        if lane is not None:
+            lane.backoff.reset()
+        return att
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the daemon accepts connections (e.g. after a restart), else Unavailable."""
@@ -83,8 +91,8 @@ class AsyncKVTierClient:
         req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
                                  default_priority)
         reply = await self._do(ops.Op("Attach", req))
-        return await asyncio.to_thread(from_reply, reply, self.tenant, req, register=False,
-                                       session=self._session)
+        return self._attached(await asyncio.to_thread(
+            from_reply, reply, self.tenant, req, register=False, session=self._session))
 
     async def register(self, segments: Sequence[torch.Tensor], *, fds: Sequence[int] = (),
                        layout: str = "", default_priority: float = 1.0) -> Attachment:
@@ -97,14 +105,14 @@ class AsyncKVTierClient:
                                       session=self._session)
         att.keepalive.extend(segments)
         att.memfds.extend(fds)
-        return att
+        return self._attached(att)
 
     async def reattach(self, att: Attachment) -> Attachment:
         req = att.request
         if not isinstance(req, pb.RegisterRequest):
             reply = await self._do(ops.Op("Attach", req))
-            return await asyncio.to_thread(from_reply, reply, self.tenant, req, register=False,
-                                           session=self._session)
+            return self._attached(await asyncio.to_thread(
+                from_reply, reply, self.tenant, req, register=False, session=self._session))
         return await self.register(att.keepalive, fds=att.memfds, layout=req.layout,
                                    default_priority=req.default_priority)
 

@@ -40,9 +40,10 @@ class Attachment:
 
 
 def from_reply(reply: pb.AttachReply, tenant: str, request: Any, *, register: bool,
-               session: Session | None = None) -> Attachment:
+               session: Session | None = None, lane_timeout: float = 2.0) -> Attachment:
     """The attachment; redeems the pool's lease on ``session`` (None: a TCP client, no lease)
-    and maps a daemon pool's memory (a CPU-mode pool needs the session: its memfd comes there)."""
+    and maps a daemon pool's memory (a CPU-mode pool needs the session: its memfd comes there).
+    ``lane_timeout``: how long its fast lane waits for an answer (the client's ``timeout``)."""
     h = reply.handle
     fd = -1
     if reply.lease.ticket and session is not None:
@@ -55,16 +56,16 @@ def from_reply(reply: pb.AttachReply, tenant: str, request: Any, *, register: bo
     return Attachment(
         pool_id=reply.pool_id, tenant=tenant, page_size=reply.page_size,
         num_slots=reply.num_slots, instance=reply.instance, device=h.device, tensor=tensor,
-        request=request, fast_lane=_lane(reply),
+        request=request, fast_lane=_lane(reply, lane_timeout),
         lease=reply.lease.ticket if session is not None else b"",
     )
 
 
-def _lane(reply: pb.AttachReply) -> FastLaneClient | None:
+def _lane(reply: pb.AttachReply, timeout: float) -> FastLaneClient | None:
     lane = reply.fast_lane
     if not reply.HasField("fast_lane") or not lane.path or len(lane.capability) != 16:
         return None
-    return FastLaneClient(lane.path, lane.capability)
+    return FastLaneClient(lane.path, lane.capability, timeout)
 
 
 def map_pool(h: pb.PoolHandle, num_slots: int, page_size: int, fd: int = -1) -> torch.Tensor:

@@ -75,7 +75,7 @@ class KVTierClient:
         req = ops.attach_request(self.tenant, num_pages, nbytes, page_size, device, layout,
                                  default_priority)
         return from_reply(self._do(ops.Op("Attach", req)), self.tenant, req, register=False,
-                          session=self._session)
+                          session=self._session, lane_timeout=self.timeout)
 
     def register(self, segments: Sequence[torch.Tensor], *, fds: Sequence[int] = (),
                  layout: str = "", default_priority: float = 1.0) -> Attachment:
@@ -84,7 +84,7 @@ class KVTierClient:
         tickets = deposit_all(self._session, self.tenant, fds, len(segments))
         req = ops.register_request(self.tenant, segments, tickets, layout, default_priority)
         att = from_reply(self._do(ops.Op("Register", req)), self.tenant, req, register=True,
-                         session=self._session)
+                         session=self._session, lane_timeout=self.timeout)
         att.keepalive.extend(segments)
         att.memfds.extend(fds)
         return att
@@ -94,7 +94,8 @@ class KVTierClient:
         req = att.request
         if not isinstance(req, pb.RegisterRequest):
             reply = self._do(ops.Op("Attach", req))
-            return from_reply(reply, self.tenant, req, register=False, session=self._session)
+            return from_reply(reply, self.tenant, req, register=False, session=self._session,
+                              lane_timeout=self.timeout)
         return self.register(att.keepalive, fds=att.memfds, layout=req.layout,
                              default_priority=req.default_priority)
 
