@@ -12,6 +12,7 @@ What a Store / Lookup / Load request touches, top first:
 
 from __future__ import annotations
 
-from kvtier.prefix.store import FIRST_CHUNK, PrefixStore, chunk_sizes, salt_key
+from kvtier.prefix.chunks import FIRST_CHUNK, chunk_sizes
+from kvtier.prefix.store import PrefixStore, salt_key
 
 __all__ = ["FIRST_CHUNK", "PrefixStore", "chunk_sizes", "salt_key"]

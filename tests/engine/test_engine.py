@@ -311,59 +311,6 @@ def test_store_into_a_full_cpu_tier_waits_for_the_disk_cascade(make_engine):
         assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == i + 1
 
 
-def test_a_key_repeated_in_a_load_ends_its_prefix_and_leaks_nothing(make_engine):
-    """A load naming one disk block twice restored it twice (the CPU policy refused the second
-    landing inside the lane, a CPU slot leaked per call, later loads hung): the prefix of a
-    load, a layered load or a borrow now ends at a repeated key."""
-    engine = make_engine(cpu_memory_gb=4 * PAGE / 2**30, disk_admission="always")
-    pool = engine.attach("t", 8)
-    slots = [s for _, s in engine.allocate(pool.pool_id, 8)]
-    for i, s in enumerate(slots):
-        pool.segments[0][s].fill_(i + 1)
-    keys = [f"k{i}".encode() for i in range(8)]
-    assert engine.store(pool.pool_id, keys, slots) == 8
-    on_disk = [k for k, t in zip(keys, engine.lookup("t", keys), strict=True) if t is Tier.DISK]
-    assert on_disk
-    for rounds in range(6):
-        key = on_disk[rounds % len(on_disk)]
-        pool.segments[0][slots[0]].zero_()
-        assert engine.load(pool.pool_id, [key, key, keys[0]], slots[:3]) == 1
-        assert int(pool.segments[0][slots[0]].max()) == keys.index(key) + 1
-        assert engine.wait_idle(10)
-        cpu = next(t for t in engine.stats().tiers if t.tier is Tier.CPU)
-        assert cpu.used_bytes == cpu.pages * PAGE, rounds  # no slot without its page
-    with engine.borrow(pool.pool_id, [keys[1], keys[1]]) as held:
-        assert len(held) == 1
-    pool.segments[0].zero_()
-    assert engine.load(pool.pool_id, keys, slots) == 8  # everything still loads, exactly
-    for i, s in enumerate(slots):
-        assert int(pool.segments[0][s].min()) == int(pool.segments[0][s].max()) == i + 1
-
-
-def test_a_key_stored_at_another_page_size_is_replaced_not_counted_as_stored(make_engine):
-    """A key stored from a pool of another page size (another layout; or records a daemon of
-    another page size left on disk) counted as stored, so a store at this size stored nothing
-    and every load at this size missed it for good."""
-    engine = make_engine()
-    big = engine.attach("t", 4, page_size=2 * PAGE)
-    small = engine.attach("t", 4)
-    b_slots = [s for _, s in engine.allocate(big.pool_id, 3)]
-    s_slots = [s for _, s in engine.allocate(small.pool_id, 3)]
-    for i, (b, s) in enumerate(zip(b_slots, s_slots, strict=True)):
-        big.segments[0][b].fill_(10 + i)
-        small.segments[0][s].fill_(20 + i)
-    keys = [b"a", b"b", b"c"]
-    assert engine.store(big.pool_id, keys, b_slots) == 3
-    assert engine.store(small.pool_id, keys, s_slots) == 3
-    assert engine.store(small.pool_id, keys, s_slots) == 3  # now present at this size
-    small.segments[0].zero_()
-    assert engine.load(small.pool_id, keys, s_slots) == 3
-    for i, s in enumerate(s_slots):
-        assert int(small.segments[0][s].min()) == int(small.segments[0][s].max()) == 20 + i
-    assert engine.load(big.pool_id, keys, b_slots) == 0  # the other layout's pages are gone
-    assert engine.stats().counters.drops.get("replaced") == 3
-
-
 def test_concurrent_acquires_of_overlapping_pages_pin_each_page_once_per_acquire(make_engine):
     """Restores past the inline limit are queued, so the second acquire waits on pages the
     first is already waiting for."""
