@@ -3,8 +3,10 @@
 ``prepare(config, addrs) -> locks`` runs, in this order:
   1. the device exists (``--device cuda`` on a machine where torch sees no GPU);
   2. the disk directory is a writable directory of a real filesystem (not a file, not under
-     /proc or /sys, not read-only: a probe file is written and removed), and the tenants file
-     (when set) is private and well formed — before the engine spends time starting;
+     /proc or /sys, not read-only: a probe file is written and removed) whose entries under the
+     disk tier's file names it can use (regular files, no links, each openable as the tier
+     needs: ``kvtier.tiers.disk_layout.unusable_file``), and the tenants file (when set) is private
+     and well formed — before the engine spends time starting;
   3. every unix socket's directory exists or can be created, and the path fits a socket address;
   4. the instance locks (``pidlock``): one per unix socket, one in the disk directory;
   5. the metrics port and every TCP listener can be bound.
@@ -25,6 +27,7 @@ from typing import NoReturn
 from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
 from kvtier.flags import setting
+from kvtier.tiers.disk_layout import unusable_file
 
 from .app import socket_dir
 from .credentials import TenantCredentials
@@ -95,6 +98,9 @@ def check_disk(config: OffloadConfig) -> None:
             os.unlink(probe)
     except OSError as exc:
         fail("disk_path", f"{path} is not a writable directory: {exc.strerror}")
+    problem = unusable_file(real)
+    if problem is not None:  # the operator's to fix: never deleted, never followed
+        fail("disk_path", problem)
 
 
 def check_tenants(config: OffloadConfig) -> None:

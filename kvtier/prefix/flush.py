@@ -9,7 +9,11 @@ policy (only keyed pages survive a restart, so little of value is given up for t
 disk quotas hold: what a quota refuses is dropped as ``tenant_quota``, as the cascade does. It
 waits at most ``seconds``: moves still queued then are cancelled (their pages stay in the CPU
 tier and die with the process). Pages left in the CPU tier are counted as ``shutdown`` drops and
-logged. The disk store journals the records of the pages that land, so they survive the exit.
+logged. The disk store journals the records of the pages that land, so they survive the exit; the
+flush then syncs them (``persist``) and reports as written only pages whose records a restart
+will see: a medium that says how many of its record changes are in no file yet
+(``unindexed_records``: a full disk refused the journal) has that many counted as ``unindexed``
+and logged as an error, since a restart finds them only if the index is saved at close.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -30,11 +34,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class IndexedMedium(Protocol):
+    """A medium that can say how many record changes a restart now would not see."""
+
+    def unindexed_records(self) -> int: ...
+
+
 @dataclass(slots=True, frozen=True)
 class FlushResult:
     keyed: int  # keyed pages in the CPU tier when the flush began
     flushed: int  # of those, pages now on disk
     lost: int  # pages still in the CPU tier (counted as ``shutdown`` drops; quota drops aside)
+    unindexed: int = 0  # of ``flushed``, at most this many whose records are in no file yet
 
 
 def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
@@ -54,7 +66,13 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
             core.cancel(late)  # queued ones come back; ones under way land after we stop waiting
         flushed = int(t.below_cpu(started).sum())
         left = int((t.at(rows, Tier.CPU) | t.moving_down(rows)).sum())  # not dropped by a quota
-    result = FlushResult(len(rows), flushed, left)
+    result = FlushResult(len(rows), flushed, left, _unindexed(core, flushed))
+    if result.unindexed:
+        log.error(
+            "shutdown: %d keyed CPU-tier pages written to disk, but the disk index refused the "
+            "records of up to %d of them (disk full?): only %d are sure to be found after a "
+            "restart", result.flushed, result.unindexed, result.flushed - result.unindexed,
+        )
     if result.lost:
         with core.cond:
             core.counters.drop("shutdown", result.lost)
@@ -62,9 +80,20 @@ def flush_keyed(core: EngineCore, seconds: float) -> FlushResult:
             "shutdown: %d of %d keyed CPU-tier pages not written to disk (no room or no time)",
             result.lost, result.keyed,
         )
-    elif result.keyed:
+    elif result.keyed and not result.unindexed:
         log.info("shutdown: %d keyed CPU-tier pages written to disk", result.flushed)
     return result
+
+
+def _unindexed(core: EngineCore, flushed: int) -> int:
+    """Of ``flushed`` pages, at most how many have records no file holds after a sync."""
+    level = core.record_level
+    assert level is not None
+    disk = core.media[level]
+    if not flushed or not isinstance(disk, IndexedMedium):
+        return 0
+    disk.persist()  # the records of the pages that landed: in the file and on the disk
+    return min(flushed, disk.unindexed_records())
 
 
 def _keyed_cpu_rows(core: EngineCore) -> np.ndarray:

@@ -24,16 +24,26 @@ Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io,
       file or whose fields are malformed are dropped and counted in ``counters.dropped_records``;
       surviving records' slots stay allocated.
     * Files are private whatever the umask: the directory is created 0700 (an existing one loses
-      group write and every "other" bit), slot files, journal and snapshot are 0600.
-    * ``close`` waits for queued I/O, compacts and closes files; idempotent.
+      group write and every "other" bit), slot files, journal and snapshot are 0600. No symbolic
+      link is followed and nothing but a regular file is opened (``diskio.open_regular``).
+    * Opening refuses, with a ``ConfigError`` naming the path, a directory whose entries under
+      the store's file names it can't use (``unusable_file``: a directory, link or special
+      file, or a file it may not open as it must), and files it can't open or create; damaged
+      contents are not refused: their records are dropped (above) and their keys are misses.
+    * A disk that refuses writes (full) fails ``alloc`` (``None``) and writes (``False``); a
+      compaction that fails keeps the journal files (nothing is lost while the process lives)
+      and is logged at most once per ``diskio.LOG_EVERY_S``. ``unindexed_records()`` counts
+      the record changes a restart now would not see (the journal refused them).
+    * ``close`` waits for queued I/O, compacts and closes files, logging what it could not
+      save; idempotent, and it raises no ``OSError``.
 Thread-safe; a slot must not be written or freed while a read or write of it is in flight.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -41,16 +51,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
-from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.errors import ConfigError, FailedPrecondition, InvalidArgument
 from kvtier.tiers.base import DiskRecord, DiskSlot, TierCounters
 from kvtier.tiers.disk_index import load_index, save_index
 from kvtier.tiers.disk_journal import Journal, remove_before, replay
-from kvtier.tiers.disk_parts import Parts, Run, split
+from kvtier.tiers.disk_layout import check_page_size, page_file, page_file_size, unusable_file
+from kvtier.tiers.disk_parts import PartIO, Parts, read_part, split, write_part
 from kvtier.tiers.diskio import (
     ALIGN,
-    cbuf,
+    Throttle,
     coalesce,
     extend,
     open_private,
@@ -59,12 +69,12 @@ from kvtier.tiers.diskio import (
     transfer,
 )
 
-_FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
 _MIB = 1 << 20
 # A batch is cut into parts of this many bytes (at least a page), run at once on the I/O
 # threads: the disk sees ``io_threads`` requests in flight, not one batch's runs in turn.
 PART_BYTES = 8 * _MIB
 COMPACT_RECORDS = 65536  # journal records before a persist compacts (or the live count, if more)
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -107,7 +117,19 @@ class DiskStore:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk")
         self._closed = False
         self._persist_lock = threading.Lock()
-        self._journal = self._open_existing()
+        self._save_errors = Throttle()
+        problem = unusable_file(self.path)
+        if problem is not None:
+            self._pool.shutdown()
+            raise ConfigError(f"disk tier: {problem}")
+        try:
+            self._journal = self._open_existing()
+        except OSError as exc:
+            self._pool.shutdown()
+            for f in self._files.values():
+                os.close(f.fd)
+            where = exc.filename or self.path
+            raise ConfigError(f"disk tier: {where}: {exc.strerror or exc}") from exc
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -125,12 +147,16 @@ class DiskStore:
 
     def alloc(self, page_size: int, n: int) -> list[DiskSlot] | None:
         """``n`` lowest free slots, growing the file within budget; ``None`` if they don't fit."""
-        _check_page_size(page_size)
+        check_page_size(page_size)
         if n < 0:
             raise InvalidArgument("n", f"must be >= 0, got {n}")
         with self._lock:
             self._check_open()
-            f = self._file(page_size)
+            try:
+                f = self._file(page_size)
+            except OSError as exc:  # a new page size's file the directory refuses: no room
+                self._failed("disk tier file not opened", exc)
+                return None
             if len(f.free) < n and not self._grow(f, n - len(f.free)):
                 return None
             out = [heapq.heappop(f.free) for _ in range(n)]
@@ -170,7 +196,7 @@ class DiskStore:
             t0 = time.perf_counter()
             parts = Parts(len(runs), lambda: self._write_done(f, list(slots), ok, sums, t0))
             for run in runs:
-                self._pool.submit(self._write_part, f, run, ok, sums, parts)
+                self._pool.submit(write_part, f.page_size, run, ok, sums, parts, self._write_io(f))
             return parts.future
 
     def read(
@@ -184,29 +210,13 @@ class DiskStore:
             runs = split(coalesce(page_size, slots, dsts), page_size, self.part_bytes)
             if not runs:
                 return _done([])
-            ok, bad = [False] * len(slots), [0]
+            ok, bad = [False] * len(slots), list[int]()
             t0 = time.perf_counter()
             parts = Parts(len(runs), lambda: self._read_done(f, ok, bad, t0))
             for run in runs:
-                self._pool.submit(self._read_part, f, run, expected, ok, bad, parts)
+                self._pool.submit(read_part, f.page_size, run, expected, ok, bad, parts,
+                                  self._read_io(f))
             return parts.future
-
-    def _write_part(
-        self, f: _SlotFile, run: Run, ok: list[bool], sums: list[int], parts: Parts
-    ) -> None:
-        """Checksum and write one part (its pages' bytes are contiguous at ``ptr``)."""
-        try:
-            offset, ptr, nbytes, positions = run
-            page = f.page_size
-            for k, p in enumerate(positions):
-                sums[p] = xxhash.xxh3_64_intdigest(cbuf(ptr + k * page, page))
-            if self._io(f.fd, offset, ptr, nbytes, write=True):
-                for p in positions:
-                    ok[p] = True
-        except BaseException as exc:
-            parts.done(exc)
-            return
-        parts.done()
 
     def _write_done(
         self, f: _SlotFile, slots: list[int], ok: list[bool], sums: list[int], t0: float
@@ -227,37 +237,18 @@ class DiskStore:
             self.counters.write_seconds += time.perf_counter() - t0
         return ok
 
-    def _read_part(
-        self,
-        f: _SlotFile,
-        run: Run,
-        expected: list[int | None],
-        ok: list[bool],
-        bad: list[int],
-        parts: Parts,
-    ) -> None:
-        """Read one part and check each of its pages against its durable checksum."""
-        try:
-            offset, ptr, nbytes, positions = run
-            page = f.page_size
-            if self._io(f.fd, offset, ptr, nbytes, write=False):
-                for k, p in enumerate(positions):
-                    got = xxhash.xxh3_64_intdigest(cbuf(ptr + k * page, page))
-                    ok[p] = expected[p] is not None and got == expected[p]
-                    if expected[p] is not None and not ok[p]:
-                        with self._lock:
-                            bad[0] += 1
-        except BaseException as exc:
-            parts.done(exc)
-            return
-        parts.done()
-
     def _read_done(self, f: _SlotFile, ok: list[bool], bad: list[int], t0: float) -> list[bool]:
         with self._lock:
-            self.counters.checksum_failures += bad[0]
+            self.counters.checksum_failures += sum(bad)
             self.counters.bytes_read += sum(ok) * f.page_size
             self.counters.read_seconds += time.perf_counter() - t0
         return ok
+
+    def _write_io(self, f: _SlotFile) -> PartIO:
+        return lambda offset, ptr, nbytes: self._io(f.fd, offset, ptr, nbytes, write=True)
+
+    def _read_io(self, f: _SlotFile) -> PartIO:
+        return lambda offset, ptr, nbytes: self._io(f.fd, offset, ptr, nbytes, write=False)
 
     def _io(self, fd: int, offset: int, ptr: int, nbytes: int, *, write: bool) -> bool:
         if transfer(fd, offset, ptr, nbytes, write=write, direct=self.direct_io):
@@ -305,31 +296,70 @@ class DiskStore:
         if grown:
             self.compact()
 
-    def compact(self) -> None:
+    def unindexed_records(self) -> int:
+        """Record changes (set or cleared) a restart now would not see: the journal file
+        refused them (a full disk) and no snapshot has been saved since."""
+        return self._journal.unwritten
+
+    def compact(self) -> bool:
         """Write the live records as a new snapshot (temp file + fsync + rename + directory
-        fsync) and delete the journal files it contains."""
+        fsync) and delete the journal files it contains. False when the disk refused (logged
+        at most once per ``LOG_EVERY_S``): the journal files stay, and so do their records."""
+        error = self._compact()
+        if error is not None:
+            self._save_failed("disk index not saved", error)
+        return error is None
+
+    def _compact(self) -> OSError | None:
         with self._persist_lock:
-            with self._lock:  # no record changes between the copy and the switch of file
-                entries = [
-                    (ps, DiskSlot(s), DiskRecord(r.key, r.tenant, r.checksum, dict(r.meta)))
-                    for ps, f in sorted(self._files.items())
-                    for s, r in sorted(f.records.items())
-                ]
-                generation = self._journal.rotate()
-            save_index(self.path, entries, generation)
+            try:
+                with self._lock:  # no record changes between the copy and the switch of file
+                    entries = [
+                        (ps, DiskSlot(s), DiskRecord(r.key, r.tenant, r.checksum, dict(r.meta)))
+                        for ps, f in sorted(self._files.items())
+                        for s, r in sorted(f.records.items())
+                    ]
+                    generation = self._journal.rotate()
+                save_index(self.path, entries, generation)
+            except OSError as exc:
+                return exc
+            self._journal.snapshot_saved()
             remove_before(self.path, generation)
+            with self._lock:
+                self._save_errors.succeed()
+            return None
+
+    def _save_failed(self, what: str, exc: OSError) -> None:
+        with self._lock:
+            self._failed(what, exc)
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        """Lock held: log a failure to write to the directory, at most once per LOG_EVERY_S."""
+        held = self._save_errors.fail()
+        if held is not None:
+            log.error("%s (%d more times since last logged): %s", what, held, exc)
 
     def close(self) -> None:
-        """Finish queued I/O, compact the index, close the files. Idempotent."""
+        """Finish queued I/O, compact the index, close the files; what could not be saved is
+        logged. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
-        self.compact()
+        error = self._compact()
         self._journal.close()
         for f in self._files.values():
             os.close(f.fd)
+        if error is None:
+            return
+        lost = self._journal.unwritten
+        if lost:
+            log.error("disk tier closed without saving its index (%s): %d record changes are "
+                      "in no file, so those keyed pages are misses after a restart", error, lost)
+        else:
+            log.warning("disk tier closed without compacting its index (%s): the journal "
+                        "files hold every record", error)
 
     def __enter__(self) -> DiskStore:
         return self
@@ -341,9 +371,9 @@ class DiskStore:
     def _open_existing(self) -> Journal:
         """Load the slot files, the snapshot and the journal; compact; the journal to append to."""
         for name in sorted(os.listdir(self.path)):
-            m = _FILE_RE.match(name)
-            if m and int(m.group(1)) > 0 and int(m.group(1)) % ALIGN == 0:
-                f = self._file(int(m.group(1)))
+            size = page_file_size(name)
+            if size is not None:
+                f = self._file(size)
                 f.nslots = os.fstat(f.fd).st_size // f.page_size
         snapshot, dropped, generation = load_index(self.path)
         found = replay(self.path, snapshot, generation)
@@ -360,14 +390,17 @@ class DiskStore:
         for f in self._files.values():
             f.free = [s for s in range(f.nslots) if s not in f.used]  # ascending: a valid heap
         generation = found.generation + 1
-        save_index(self.path, self.records(), generation)
-        remove_before(self.path, generation)
+        try:
+            save_index(self.path, self.records(), generation)
+            remove_before(self.path, generation)
+        except OSError as exc:  # a full disk: the snapshot and journal files read stay
+            log.error("disk index not compacted at open: %s", exc)
         return Journal(self.path, generation)
 
     def _file(self, page_size: int) -> _SlotFile:
         f = self._files.get(page_size)
         if f is None:
-            name = os.path.join(self.path, f"pages-{page_size}.dat")
+            name = page_file(self.path, page_size)
             flags = os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
             f = _SlotFile(page_size, open_private(name, flags))
             self._files[page_size] = f
@@ -415,10 +448,3 @@ def _done(result: list[bool]) -> Future[list[bool]]:
     fut: Future[list[bool]] = Future()
     fut.set_result(result)
     return fut
-
-
-def _check_page_size(page_size: int) -> None:
-    if page_size <= 0 or page_size % ALIGN:
-        raise InvalidArgument(
-            "page_size", f"must be a positive multiple of {ALIGN}, got {page_size}"
-        )

@@ -1,13 +1,15 @@
 """The disk tier's index snapshot: one JSON file, replaced atomically.
 
-``save_index(path, entries, journal)`` writes ``index.json.tmp`` (mode 0600 whatever the umask),
-fsyncs it, renames it over ``index.json`` and fsyncs the directory, so a crash leaves either the
-old or the new snapshot, never a mix. ``journal`` is the generation of the first journal file the
+``save_index(path, entries, journal)`` writes ``index.json.tmp`` afresh (mode 0600 whatever the
+umask; a leftover is unlinked first, so nothing it links to is ever written), fsyncs it, renames
+it over ``index.json`` and fsyncs the directory, so a crash leaves either the old or the new
+snapshot, never a mix; a write that fails (a full disk) raises ``OSError`` and removes the
+temporary file. ``journal`` is the generation of the first journal file the
 snapshot does *not* contain (``kvtier.tiers.disk_journal``): older journal files are folded in.
 ``load_index(path)`` returns the entries it can trust, the number it dropped (malformed fields, a
 checksum that is not an unsigned 64-bit int, a duplicate slot) and that generation (0 when absent).
 A missing index is empty; an unreadable one is empty with every record counted as dropped where
-they can be counted.
+they can be counted. Neither follows a symbolic link (``diskio.open_regular``).
 
 Layout (version 1): ``{"version": 1, "journal": <int>, "records": [{"page_size", "slot", "key"
 (hex), "tenant", "checksum" (xxh3-64 of the page), "meta": {str: int}}, ...]}``.
@@ -15,15 +17,17 @@ Layout (version 1): ``{"version": 1, "journal": <int>, "records": [{"page_size",
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from typing import Any
 
 from kvtier.tiers.base import DiskRecord, DiskSlot
-from kvtier.tiers.diskio import open_private
+from kvtier.tiers.diskio import open_private, open_regular
 
 INDEX_NAME = "index.json"
+INDEX_TMP = INDEX_NAME + ".tmp"
 _VERSION = 1
 _MAX_U64 = (1 << 64) - 1
 MAX_GENERATION = 10**18  # journal generations (decimal file names of at most 18 digits)
@@ -40,13 +44,20 @@ def save_index(directory: str, entries: list[IndexEntry], journal: int = 0) -> N
         "records": [encode_entry(ps, slot, rec) for ps, slot, rec in entries],
     }
     final = os.path.join(directory, INDEX_NAME)
-    tmp = final + ".tmp"
-    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-    with open(fd, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, separators=(",", ":"))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    tmp = os.path.join(directory, INDEX_TMP)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a crash (or a link: only the link goes), never followed
+    fd = open_private(tmp, os.O_WRONLY | os.O_EXCL)
+    try:
+        with open(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, separators=(",", ":"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # its space back, on a disk that is full
+        raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # makes the rename itself durable
@@ -57,7 +68,8 @@ def save_index(directory: str, entries: list[IndexEntry], journal: int = 0) -> N
 def load_index(directory: str) -> tuple[list[IndexEntry], int, int]:
     """``(trusted entries, dropped count, journal generation)`` from ``directory/index.json``."""
     try:
-        with open(os.path.join(directory, INDEX_NAME), encoding="utf-8") as fh:
+        fd = open_regular(os.path.join(directory, INDEX_NAME), os.O_RDONLY)
+        with open(fd, encoding="utf-8") as fh:
             doc = json.load(fh)
     except FileNotFoundError:
         return [], 0, 0

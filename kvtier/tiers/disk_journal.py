@@ -11,8 +11,16 @@ Contract:
     * The caller appends a put only after its page's bytes are durable (the store records a
       checksum only after ``fdatasync`` of the data), so a replayed put never names bytes that
       were not written; replayed pages are still verified by their checksum on every read.
-    * ``rotate`` writes the buffer out and switches to the next generation's file; the old file
-      stays until a snapshot that contains it is saved (``remove_before``).
+    * While the file refuses writes (a full disk) the records wait in memory (up to
+      ``MAX_BUFFER`` bytes; past it they are lost and counted in ``lost``), each kind of failure
+      is logged at most once per ``diskio.LOG_EVERY_S`` with a count, and ``unwritten`` says how
+      many records are not in the file. A record is never split across two files.
+    * ``rotate`` writes the buffer out and switches to the next generation's file (records still
+      waiting go to the new one; the one record the old file holds a torn part of is counted
+      lost: the snapshot saved next holds it); the old file stays until a snapshot that contains
+      it is saved (``remove_before``). It raises ``OSError`` and changes nothing when the new
+      file can't be made (a failed new file is removed).
+    * Journal files are opened by ``diskio.open_regular``: a symbolic link is never followed.
     * ``replay(directory, entries, generation)`` applies every journal file of generation >=
       ``generation`` (oldest first) to the snapshot's entries. A file or record that fails its
       checks ends that file's replay: a torn or garbage tail is ignored and its bytes counted.
@@ -28,6 +36,7 @@ A record is applied in file order: a put (re)binds its slot to a record, a drop 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -35,13 +44,14 @@ import re
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import xxhash
 
 from kvtier.tiers.base import DiskRecord, DiskSlot
 from kvtier.tiers.disk_index import IndexEntry, decode_entry, encode_entry
-from kvtier.tiers.diskio import open_private
+from kvtier.tiers.diskio import Throttle, open_private, open_regular
 
 MAGIC = b"KVTJ"
 VERSION = 1
@@ -59,13 +69,19 @@ def journal_name(generation: int) -> str:
     return f"journal-{generation}.log"
 
 
+def journal_generation(name: str) -> int | None:
+    """The generation of a journal file's name; None for any other name."""
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def journal_files(directory: str) -> list[tuple[int, str]]:
     """``(generation, path)`` of every journal file in ``directory``, oldest first."""
     found = []
     for name in os.listdir(directory):
-        m = _NAME_RE.match(name)
-        if m:
-            found.append((int(m.group(1)), os.path.join(directory, name)))
+        gen = journal_generation(name)
+        if gen is not None:
+            found.append((gen, os.path.join(directory, name)))
     return sorted(found)
 
 
@@ -73,8 +89,12 @@ def remove_before(directory: str, generation: int) -> None:
     """Delete journal files older than ``generation`` (a saved snapshot contains them)."""
     for gen, path in journal_files(directory):
         if gen < generation:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # harmless: a snapshot's generation makes replay skip it
+                log.warning("old journal file %s not removed: %s", path, exc.strerror)
 
 
 def frame(doc: dict[str, object]) -> bytes:
@@ -92,8 +112,14 @@ class Journal:
         self.generation = generation
         self.appended = 0  # records since the last rotate
         self.lost = 0  # records not buffered because the file refused writes
+        self._lost_since = 0  # of those, lost since the last snapshot (``snapshot_saved``)
+        self._lost_rotated = 0  # of those, lost before the last rotate
         self._lock = threading.Lock()
         self._buf = bytearray()
+        self._sizes: deque[int] = deque()  # of the records in ``_buf``, oldest first
+        self._head = 0  # bytes of the oldest record in ``_buf`` already in the file
+        self._write_errors = Throttle()
+        self._sync_errors = Throttle()
         self._fd = self._open(generation)
         self._dirty = False
         self._stop = threading.Event()
@@ -112,12 +138,27 @@ class Journal:
         rec = frame(doc)
         with self._lock:
             if len(self._buf) > MAX_BUFFER:  # the file refuses writes: don't grow without bound
-                if not self.lost:
+                if not self._lost_since:
                     log.error("journal buffer full: records are lost until writes succeed")
                 self.lost += 1  # a lost put is a miss after a restart, a lost drop a checksum miss
+                self._lost_since += 1
                 return
             self._buf += rec
+            self._sizes.append(len(rec))
             self.appended += 1
+
+    @property
+    def unwritten(self) -> int:
+        """Records appended but in no file: waiting in memory, or lost since the last snapshot."""
+        with self._lock:
+            return len(self._sizes) + self._lost_since
+
+    def snapshot_saved(self) -> None:
+        """The snapshot of the live records taken at the last ``rotate`` is saved: the records
+        lost before that rotate are in it."""
+        with self._lock:
+            self._lost_since -= self._lost_rotated  # later ones are not in it
+            self._lost_rotated = 0
 
     def write_out(self) -> None:
         """Every record appended so far is in the file (a kill -9 can't lose it from now on)."""
@@ -134,15 +175,33 @@ class Journal:
         try:
             os.fdatasync(fd)  # outside the lock: appends never wait for the disk
         except OSError as exc:
-            log.error("journal fdatasync failed: %s", exc)
+            with self._lock:
+                held = self._sync_errors.fail()
+            if held is not None:
+                log.error("journal fdatasync failed (%d more times since last logged): %s",
+                          held, exc)
+        else:
+            with self._lock:
+                n = self._sync_errors.succeed()
+            if n:
+                log.warning("journal fdatasync succeeds again after %d failures", n)
         finally:
             os.close(fd)
 
     def rotate(self) -> int:
-        """Write the buffer out and continue in the next generation's file; the new generation."""
+        """Write the buffer out and continue in the next generation's file; the new generation.
+        ``OSError`` (nothing changed) when the old file refuses the buffer or the new can't
+        be made."""
         with self._lock:
             self._write_out()
-            old, self._fd = self._fd, self._open(self.generation + 1)
+            new = self._open(self.generation + 1)
+            if self._head:  # a record is never split across two files
+                del self._buf[: self._sizes.popleft() - self._head]
+                self._head = 0
+                self.lost += 1
+                self._lost_since += 1
+            self._lost_rotated = self._lost_since  # a snapshot of the records now holds them
+            old, self._fd = self._fd, new
             self.generation += 1
             self.appended, self._dirty = 0, False
         os.close(old)
@@ -167,18 +226,44 @@ class Journal:
             while done < len(view) and self._fd >= 0:
                 done += os.write(self._fd, view[done:])
         except OSError as exc:
-            log.error("journal write failed (%d bytes kept in memory): %s", len(view) - done, exc)
+            held = self._write_errors.fail()
+            if held is not None:
+                log.error("journal write failed (%d more times since last logged; %d records "
+                          "kept in memory): %s", held, len(self._sizes), exc)
+        else:
+            n = self._write_errors.succeed()
+            if n:
+                log.warning("journal writes succeed again after %d failures", n)
         finally:
             view.release()
         if done:
             del self._buf[:done]
             self._dirty = True
+            self._written(done)
+
+    def _written(self, nbytes: int) -> None:
+        """Lock held: ``nbytes`` more of the buffered records are in the file."""
+        left = self._head + nbytes
+        while self._sizes and self._sizes[0] <= left:
+            left -= self._sizes.popleft()
+        self._head = left
 
     def _open(self, generation: int) -> int:
+        """The generation's file, opened to append (a new one gets its header, or is removed
+        again when the header can't be written)."""
         path = os.path.join(self.directory, journal_name(generation))
         fd = open_private(path, os.O_WRONLY | os.O_APPEND)
-        if os.fstat(fd).st_size == 0:
-            os.write(fd, HEADER.pack(MAGIC, VERSION, 0, generation))
+        try:
+            if os.fstat(fd).st_size == 0:
+                header = HEADER.pack(MAGIC, VERSION, 0, generation)
+                if os.write(fd, header) != len(header):
+                    raise OSError(errno.ENOSPC, "short write of the journal header", path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_size < HEADER.size:
+                    os.unlink(path)  # ours: a file without a whole header holds nothing
+            raise
         return fd
 
     def _loop(self, write_s: float, sync_s: float) -> None:
@@ -210,7 +295,7 @@ def replay(directory: str, entries: list[IndexEntry], generation: int) -> Replay
         if gen < generation:
             continue  # a snapshot saved after it already holds its records
         out.generation = max(out.generation, gen)
-        with open(path, "rb") as fh:
+        with open(open_regular(path, os.O_RDONLY), "rb") as fh:
             data = fh.read()
         _apply_file(data, gen, state, out)
     out.entries = [state[k] for k in sorted(state)]

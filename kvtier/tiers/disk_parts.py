@@ -9,7 +9,9 @@ Contract:
       ``finish``'s). No thread ever waits for another part, so parts of many batches share one
       pool without deadlock.
     * Work per page that does not need the other parts (checksums) runs inside its part, beside
-      the other parts' I/O, not after the batch.
+      the other parts' I/O, not after the batch: ``write_part`` checksums a part's pages and
+      writes it, ``read_part`` reads it and checks each page against its durable checksum
+      (``io(offset, ptr, nbytes) -> bool``: the part's one system call).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
+import xxhash
+
+from kvtier.tiers.diskio import cbuf
+
 Run = tuple[int, int, int, list[int]]  # (file offset, buffer address, nbytes, positions)
+PartIO = Callable[[int, int, int], bool]  # (file offset, buffer address, nbytes) -> done
 
 
 def split(runs: Iterable[Run], page_size: int, part_bytes: int) -> list[Run]:
@@ -65,3 +72,36 @@ class Parts:
             self.future.set_exception(exc)
             return
         self.future.set_result(result)
+
+
+def write_part(page: int, run: Run, ok: list[bool], sums: list[int], parts: Parts,
+               io: PartIO) -> None:
+    """Checksum and write one part (its pages' bytes are contiguous at ``ptr``)."""
+    try:
+        offset, ptr, nbytes, positions = run
+        for k, p in enumerate(positions):
+            sums[p] = xxhash.xxh3_64_intdigest(cbuf(ptr + k * page, page))
+        if io(offset, ptr, nbytes):
+            for p in positions:
+                ok[p] = True
+    except BaseException as exc:
+        parts.done(exc)
+        return
+    parts.done()
+
+
+def read_part(page: int, run: Run, expected: list[int | None], ok: list[bool], bad: list[int],
+              parts: Parts, io: PartIO) -> None:
+    """Read one part and check each of its pages against its durable checksum (each part
+    appends its count of mismatches to ``bad``; only this part writes its positions)."""
+    try:
+        offset, ptr, nbytes, positions = run
+        if io(offset, ptr, nbytes):
+            for k, p in enumerate(positions):
+                got = xxhash.xxh3_64_intdigest(cbuf(ptr + k * page, page))
+                ok[p] = expected[p] is not None and got == expected[p]
+            bad.append(sum(expected[p] is not None and not ok[p] for p in positions))
+    except BaseException as exc:
+        parts.done(exc)
+        return
+    parts.done()

@@ -1,19 +1,26 @@
 """Aligned positioned I/O helpers for the disk tier (O_DIRECT needs 4 KiB-aligned buffers,
-offsets and lengths; page sizes are multiples of 4 KiB, so only buffers can be misaligned)."""
+offsets and lengths; page sizes are multiples of 4 KiB, so only buffers can be misaligned), and
+the opening of its files: every one through ``open_regular``, which follows no symbolic link and
+opens nothing but a regular file, so an entry planted in the directory can never make the tier
+chmod or write anything outside it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import mmap
 import os
+import stat
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
 
 ALIGN = 4096
+LOG_EVERY_S = 10.0  # an error that repeats (a full disk) is logged at most this often
 log = logging.getLogger(__name__)
 
 
@@ -92,27 +99,42 @@ def extend(fd: int, offset: int, nbytes: int) -> bool:
 
 
 def probe_direct(directory: str) -> bool:
-    """Whether an aligned O_DIRECT write works in ``directory`` (tmpfs, some FUSE: no)."""
+    """Whether an aligned O_DIRECT write works in ``directory`` (tmpfs, some FUSE: no). The probe
+    file is created afresh (``O_EXCL``: never an existing file or a link's target) and removed."""
     if not hasattr(os, "O_DIRECT"):
         return False
     probe = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
     buf = mmap.mmap(-1, ALIGN)
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-        try:
-            return os.pwrite(fd, buf, 0) == ALIGN
-        finally:
-            os.close(fd)
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT,
+                     PRIVATE_FILE)
+    except OSError as exc:
+        buf.close()
+        if exc.errno != errno.EEXIST:  # not someone else's entry: an open that failed late
+            with contextlib.suppress(OSError):  # (EINVAL after creating it) leaves ours
+                os.unlink(probe)
+        return False
+    try:
+        return os.pwrite(fd, buf, 0) == ALIGN
     except OSError:
         return False
     finally:
+        os.close(fd)
         buf.close()
-        if os.path.exists(probe):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(probe)
 
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symbolic link"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+)
 
 
 def private_dir(path: str) -> None:
@@ -128,15 +150,95 @@ def private_dir(path: str) -> None:
             log.warning("disk tier directory %s is mode %o and not ours to tighten", path, mode)
 
 
-def open_private(path: str, flags: int) -> int:
-    """``os.open(path, flags | O_CREAT)`` of a tier file, made private (``private_fd``)."""
-    fd = os.open(path, flags | os.O_CREAT, PRIVATE_FILE)
-    private_fd(fd)  # an existing file keeps its old mode through O_CREAT
+def open_regular(path: str, flags: int) -> int:
+    """``os.open`` of a tier file that is a regular file itself: a symbolic link is never
+    followed (its target is never opened, let alone changed) and a directory, FIFO, socket or
+    device is refused, with an ``OSError`` naming ``path`` and what it is."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, PRIVATE_FILE)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+            raise
+        kind = file_kind(os.lstat(path).st_mode)
+        raise OSError(exc.errno, f"is a {kind}, not a regular file", path) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"is a {file_kind(mode)}, not a regular file", path)
+        os.set_blocking(fd, True)  # O_NONBLOCK only kept a FIFO's open from waiting
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
-def private_fd(fd: int) -> None:
-    """An open file of the tier: no "other" bits and no group write, whatever made it."""
+def file_kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def open_private(path: str, flags: int) -> int:
+    """``open_regular(path, flags | O_CREAT)`` of a tier file, made private (``private_fd``)."""
+    fd = open_regular(path, flags | os.O_CREAT)
+    private_fd(fd, path)  # an existing file keeps its old mode through O_CREAT
+    return fd
+
+
+def private_fd(fd: int, path: str) -> None:
+    """An open file of the tier: no "other" bits and no group write, whatever made it. A file
+    this process may use but not chmod (another owner) is used as it is, with a warning."""
     mode = os.fstat(fd).st_mode & 0o7777
     if mode & 0o027:
-        os.fchmod(fd, mode & 0o640)
+        try:
+            os.fchmod(fd, mode & 0o640)
+        except PermissionError:
+            log.warning("disk tier file %s is mode %o and not ours to tighten", path, mode)
+
+
+def entry_problem(path: str, flags: int | None) -> str | None:
+    """Why the tier could not use the entry at ``path`` (absent is fine): anything but a regular
+    file, or one that ``flags`` (``O_RDONLY``/``O_RDWR``; None: no open is tried) can't open."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(mode):
+        return f"{path} is a {file_kind(mode)}, not a regular file: move it out of the way"
+    if flags is None:
+        return None
+    try:
+        os.close(open_regular(path, flags))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        how = "read" if flags & os.O_ACCMODE == os.O_RDONLY else "read and written"
+        return f"{path} cannot be {how}: {exc.strerror}"
+    return None
+
+
+class Throttle:
+    """An error repeated while a condition lasts (a full disk) is logged at most once per
+    ``every_s`` seconds, with the count of the repeats not logged. Not thread-safe: callers
+    hold their own lock."""
+
+    __slots__ = ("_held", "_next", "every_s", "failures")
+
+    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self.failures = 0  # since the last success
+        self._held = 0
+        self._next = 0.0
+
+    def fail(self) -> int | None:
+        """Count a failure: None to keep quiet, else the repeats not logged since the last one."""
+        self.failures += 1
+        now = time.monotonic()
+        if now < self._next:
+            self._held += 1
+            return None
+        held, self._held, self._next = self._held, 0, now + self.every_s
+        return held
+
+    def succeed(self) -> int:
+        """The failures before this success (0: none); the next failure is logged at once."""
+        n, self.failures, self._held, self._next = self.failures, 0, 0, 0.0
+        return n

@@ -1,0 +1,67 @@
+"""The disk tier's files by name: which entries of its directory are its own, and whether it
+could use them.
+
+Contract:
+    * ``page_file(directory, page_size)``: the slot file of a page size, ``pages-<size>.dat``;
+      ``page_file_size(name)``: the page size a slot file's name says (None for any other name,
+      or a size that is not a positive multiple of ``ALIGN``, which the store never writes).
+    * ``unusable_file(directory) -> str | None``: why the store could not use an entry named as
+      one of its files (a directory, link or special file, or a file it may not open as it
+      must: slot files read-write, the journal and the snapshot read-only), else None. Entries
+      it would ignore are not looked at; nothing is ever deleted.
+    * ``check_page_size(page_size)``: ``InvalidArgument`` unless a positive multiple of ``ALIGN``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from kvtier.errors import InvalidArgument
+from kvtier.tiers.disk_index import INDEX_NAME, INDEX_TMP
+from kvtier.tiers.disk_journal import journal_generation
+from kvtier.tiers.diskio import ALIGN, entry_problem
+
+_FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
+
+
+def page_file(directory: str, page_size: int) -> str:
+    return os.path.join(directory, f"pages-{page_size}.dat")
+
+
+def unusable_file(directory: str) -> str | None:
+    """Why the store could not use an entry of ``directory`` named as one of its files (see
+    the contract), or None. Entries it would ignore (odd page sizes, other names) are not
+    looked at."""
+    for name in sorted(os.listdir(directory)):
+        problem = entry_problem(os.path.join(directory, name), _access(name)) if (
+            _is_own(name)) else None
+        if problem is not None:
+            return problem
+    return None
+
+
+def _is_own(name: str) -> bool:
+    return name in (INDEX_NAME, INDEX_TMP) or journal_generation(name) is not None or (
+        page_file_size(name) is not None)
+
+
+def _access(name: str) -> int | None:
+    """How the store opens its file ``name`` (None: never; the temporary index is replaced)."""
+    if page_file_size(name) is not None:
+        return os.O_RDWR
+    return None if name == INDEX_TMP else os.O_RDONLY
+
+
+def page_file_size(name: str) -> int | None:
+    """The page size of a slot file's name; None for any other name or an odd size."""
+    m = _FILE_RE.match(name)
+    size = int(m.group(1)) if m else 0
+    return size if size > 0 and size % ALIGN == 0 else None
+
+
+def check_page_size(page_size: int) -> None:
+    if page_size <= 0 or page_size % ALIGN:
+        raise InvalidArgument(
+            "page_size", f"must be a positive multiple of {ALIGN}, got {page_size}"
+        )
