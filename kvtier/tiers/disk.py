@@ -4,12 +4,12 @@ Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io,
 *, extent_bytes, part_bytes)``.
     * ``pages-<page_size>.dat`` grows lazily in extents (``posix_fallocate``, else ``ftruncate``);
       the files together never exceed ``budget_bytes``. Files never shrink, so bytes given to one
-      page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full.
+      page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full,
+      or for a page size not a multiple of ``ALIGN`` (a registered pool's; warned once).
     * ``write``/``read`` return ``Future[list[bool]]`` (one per page). A batch is cut into parts
       of at most ``part_bytes`` (``kvtier.tiers.disk_parts``) run at once on ``io_threads``
-      threads, so the disk has that many requests in flight; each part checksums its own pages.
-      O_DIRECT is used when the filesystem accepts it (probed at open; ``.direct_io`` says which);
-      buffers that are not 4 KiB aligned go through an aligned bounce buffer.
+      threads (the disk's queue depth); each part checksums its own pages. O_DIRECT where the
+      filesystem takes it (``.direct_io``); unaligned buffers go through a bounce buffer.
     * A page's xxh3-64 checksum is recorded only after ``fdatasync`` (once per batch). Starting a
       write forgets the slot's checksum, so a page is never "good" while its bytes are in flight.
       ``read`` re-hashes what it read: a mismatch (torn write, bit flip) returns ``False`` and
@@ -23,19 +23,15 @@ Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io,
       replayed (a torn tail is ignored) and compacted; records whose slot lies past the end of its
       file or whose fields are malformed are dropped and counted in ``counters.dropped_records``;
       surviving records' slots stay allocated.
-    * Files are private whatever the umask: the directory is created 0700 (an existing one loses
-      group write and every "other" bit), slot files, journal and snapshot are 0600. No symbolic
-      link is followed and nothing but a regular file is opened (``diskio.open_regular``).
-    * Opening refuses, with a ``ConfigError`` naming the path, a directory whose entries under
-      the store's file names it can't use (``unusable_file``: a directory, link or special
-      file, or a file it may not open as it must), and files it can't open or create; damaged
-      contents are not refused: their records are dropped (above) and their keys are misses.
-    * A disk that refuses writes (full) fails ``alloc`` (``None``) and writes (``False``); a
-      compaction that fails keeps the journal files (nothing is lost while the process lives)
-      and is logged at most once per ``diskio.LOG_EVERY_S``. ``unindexed_records()`` counts
-      the record changes a restart now would not see (the journal refused them).
-    * ``close`` waits for queued I/O, compacts and closes files, logging what it could not
-      save; idempotent, and it raises no ``OSError``.
+    * Files are private whatever the umask: the directory 0700 (an existing one loses group
+      write and every "other" bit), files 0600; only regular files, never through a link.
+    * Opening refuses with a ``ConfigError`` naming the path an entry under the store's file
+      names it can't use (``disk_layout.unusable_file``) or a file it can't open or create;
+      damaged contents are not refused: their records are dropped and their keys are misses.
+    * A full disk fails ``alloc`` (``None``) and writes (``False``); a failed compaction keeps
+      the journal files and is logged at most once per ``diskio.LOG_EVERY_S``;
+      ``unindexed_records()`` counts record changes a restart would not see.
+    * ``close`` waits for queued I/O, compacts, closes files, logs what it could not save.
 Thread-safe; a slot must not be written or freed while a read or write of it is in flight.
 """
 
@@ -48,7 +44,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
@@ -56,7 +51,13 @@ from kvtier.errors import ConfigError, FailedPrecondition, InvalidArgument
 from kvtier.tiers.base import DiskRecord, DiskSlot, TierCounters
 from kvtier.tiers.disk_index import load_index, save_index
 from kvtier.tiers.disk_journal import Journal, remove_before, replay
-from kvtier.tiers.disk_layout import check_page_size, page_file, page_file_size, unusable_file
+from kvtier.tiers.disk_layout import (
+    SlotFile,
+    check_page_size,
+    page_file,
+    page_file_size,
+    unusable_file,
+)
 from kvtier.tiers.disk_parts import PartIO, Parts, read_part, split, write_part
 from kvtier.tiers.diskio import (
     ALIGN,
@@ -75,17 +76,6 @@ _MIB = 1 << 20
 PART_BYTES = 8 * _MIB
 COMPACT_RECORDS = 65536  # journal records before a persist compacts (or the live count, if more)
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _SlotFile:
-    page_size: int
-    fd: int
-    nslots: int = 0
-    free: list[int] = field(default_factory=list)  # a heap of free slots below nslots
-    used: set[int] = field(default_factory=set)
-    sums: dict[int, int] = field(default_factory=dict)  # durable checksums
-    records: dict[int, DiskRecord] = field(default_factory=dict)
 
 
 class DiskStore:
@@ -113,11 +103,12 @@ class DiskStore:
         self.direct_io = direct_io and probe_direct(self.path)
         self.counters = TierCounters()
         self._lock = threading.Lock()
-        self._files: dict[int, _SlotFile] = {}
+        self._files: dict[int, SlotFile] = {}
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk")
         self._closed = False
         self._persist_lock = threading.Lock()
         self._save_errors = Throttle()
+        self._unaligned_sizes: set[int] = set()
         problem = unusable_file(self.path)
         if problem is not None:
             self._pool.shutdown()
@@ -147,6 +138,9 @@ class DiskStore:
 
     def alloc(self, page_size: int, n: int) -> list[DiskSlot] | None:
         """``n`` lowest free slots, growing the file within budget; ``None`` if they don't fit."""
+        if page_size > 0 and page_size % ALIGN:  # a registered pool's odd page size
+            self._unaligned(page_size)
+            return None
         check_page_size(page_size)
         if n < 0:
             raise InvalidArgument("n", f"must be >= 0, got {n}")
@@ -162,6 +156,12 @@ class DiskStore:
             out = [heapq.heappop(f.free) for _ in range(n)]
             f.used.update(out)
             return [DiskSlot(s) for s in out]
+
+    def _unaligned(self, page_size: int) -> None:
+        if page_size not in self._unaligned_sizes:
+            self._unaligned_sizes.add(page_size)
+            log.warning("disk tier: pages of %d bytes (not a multiple of %d) are not written "
+                        "to disk: they stay in the CPU tier or are dropped", page_size, ALIGN)
 
     def free(self, page_size: int, slots: Sequence[int]) -> None:
         """Return slots and forget their bytes and records. A free slot is an internal error."""
@@ -219,7 +219,7 @@ class DiskStore:
             return parts.future
 
     def _write_done(
-        self, f: _SlotFile, slots: list[int], ok: list[bool], sums: list[int], t0: float
+        self, f: SlotFile, slots: list[int], ok: list[bool], sums: list[int], t0: float
     ) -> list[bool]:
         """After the last part: one ``fdatasync``, then the checksums become the durable ones."""
         try:
@@ -237,17 +237,17 @@ class DiskStore:
             self.counters.write_seconds += time.perf_counter() - t0
         return ok
 
-    def _read_done(self, f: _SlotFile, ok: list[bool], bad: list[int], t0: float) -> list[bool]:
+    def _read_done(self, f: SlotFile, ok: list[bool], bad: list[int], t0: float) -> list[bool]:
         with self._lock:
             self.counters.checksum_failures += sum(bad)
             self.counters.bytes_read += sum(ok) * f.page_size
             self.counters.read_seconds += time.perf_counter() - t0
         return ok
 
-    def _write_io(self, f: _SlotFile) -> PartIO:
+    def _write_io(self, f: SlotFile) -> PartIO:
         return lambda offset, ptr, nbytes: self._io(f.fd, offset, ptr, nbytes, write=True)
 
-    def _read_io(self, f: _SlotFile) -> PartIO:
+    def _read_io(self, f: SlotFile) -> PartIO:
         return lambda offset, ptr, nbytes: self._io(f.fd, offset, ptr, nbytes, write=False)
 
     def _io(self, fd: int, offset: int, ptr: int, nbytes: int, *, write: bool) -> bool:
@@ -397,16 +397,16 @@ class DiskStore:
             log.error("disk index not compacted at open: %s", exc)
         return Journal(self.path, generation)
 
-    def _file(self, page_size: int) -> _SlotFile:
+    def _file(self, page_size: int) -> SlotFile:
         f = self._files.get(page_size)
         if f is None:
             name = page_file(self.path, page_size)
             flags = os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
-            f = _SlotFile(page_size, open_private(name, flags))
+            f = SlotFile(page_size, open_private(name, flags))
             self._files[page_size] = f
         return f
 
-    def _grow(self, f: _SlotFile, need: int) -> bool:
+    def _grow(self, f: SlotFile, need: int) -> bool:
         """Add at least ``need`` slots to ``f`` (an extent when the budget allows)."""
         room = (self.budget_bytes - self.reserved_bytes) // f.page_size
         if room < need:
@@ -421,7 +421,7 @@ class DiskStore:
 
     def _checked(
         self, page_size: int, slots: Sequence[int], bufs: Sequence[torch.Tensor], name: str
-    ) -> _SlotFile:
+    ) -> SlotFile:
         if len(slots) != len(bufs):
             raise InvalidArgument(name, f"{len(bufs)} buffers for {len(slots)} slots")
         f = self._files.get(page_size)

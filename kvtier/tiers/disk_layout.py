@@ -9,6 +9,7 @@ Contract:
       one of its files (a directory, link or special file, or a file it may not open as it
       must: slot files read-write, the journal and the snapshot read-only), else None. Entries
       it would ignore are not looked at; nothing is ever deleted.
+    * ``SlotFile``: one page size's open slot file and its slots' state.
     * ``check_page_size(page_size)``: ``InvalidArgument`` unless a positive multiple of ``ALIGN``.
 """
 
@@ -16,13 +17,28 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 
 from kvtier.errors import InvalidArgument
+from kvtier.tiers.base import DiskRecord
 from kvtier.tiers.disk_index import INDEX_NAME, INDEX_TMP
 from kvtier.tiers.disk_journal import journal_generation
 from kvtier.tiers.diskio import ALIGN, entry_problem
 
 _FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
+
+
+@dataclass(slots=True)
+class SlotFile:
+    """One page size's slot file and its slots' state (the store's lock guards it)."""
+
+    page_size: int
+    fd: int
+    nslots: int = 0
+    free: list[int] = field(default_factory=list)  # a heap of free slots below nslots
+    used: set[int] = field(default_factory=set)
+    sums: dict[int, int] = field(default_factory=dict)  # durable checksums
+    records: dict[int, DiskRecord] = field(default_factory=dict)
 
 
 def page_file(directory: str, page_size: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvtier.types import Tier
 
 KIB = 1024
@@ -36,3 +38,23 @@ def test_a_few_blocks_of_many_page_sizes_cannot_keep_another_size_out_of_the_cpu
         pool.segments[0][slot].zero_()
         assert engine.load(pool.pool_id, [f"e{i}".encode()], [slot]) == 1
         assert int(pool.segments[0][slot].min()) == int(pool.segments[0][slot].max()) == i + 1
+
+
+def test_blocks_of_a_page_size_the_disk_cannot_hold_are_dropped_not_raised(make_engine):
+    """A registered pool's page size need not be a multiple of 4 KiB (a layer count times an
+    odd per-layer size); the disk tier refused such a size with an exception that reached
+    whichever call had made the room (another tenant's store) and the shutdown flush. Such
+    pages now get no disk slot: the cascade drops them as for a full disk."""
+    engine = make_engine(cpu_memory_gb=1 / 1024, pinned_chunk_mb=1, disk_gb=0.5,
+                         disk_admission="always")
+    odd = engine.register("odd", [torch.full((16, 3000), 7, dtype=torch.uint8)])
+    assert engine.store(odd.pool_id, [f"o{i}".encode() for i in range(16)], list(range(16))) == 16
+    victim = engine.attach("victim", 8, page_size=4 * KIB)
+    slots = [s for _, s in engine.allocate(victim.pool_id, 8)]
+    keys = [f"v{i}".encode() for i in range(8)]
+    assert engine.store(victim.pool_id, keys, slots) == 8  # the odd pages made way
+    assert engine.wait_idle(10)
+    assert engine.stats().counters.drops.get("disk_full", 0) == 16
+    assert engine.lookup("odd", [b"o0"]) == []  # a miss, never wrong bytes
+    assert engine.store(odd.pool_id, [b"again"], [0]) == 1
+    engine.close(grace=5)  # the shutdown flush skips what the disk can't hold
