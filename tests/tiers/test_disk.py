@@ -89,8 +89,9 @@ def test_budget_is_a_return_value(tmp_path: Path) -> None:
         assert store.alloc(16384, 1) is None  # budget is shared across page sizes
         store.free(PS, got[1:2])
         assert store.alloc(PS, 1) == [1]
+        assert store.alloc(1000, 1) is None  # not a multiple of 4 KiB: no slot, never a raise
         with pytest.raises(InvalidArgument):
-            store.alloc(1000, 1)
+            store.alloc(0, 1)
 
 
 def test_unwritten_slot_is_never_good(tmp_path: Path) -> None:
