@@ -195,11 +195,13 @@ def planned(mode: KVTier, prefill: PrefillModel | None) -> KVTier:
 
 def measure_prefill(model: LlamaForCausalLM, args: argparse.Namespace,
                     device: torch.device) -> PrefillModel:
-    """The model's prefill cost, fitted to whole eager prefills of a quarter, half and all of
-    the longest context (best of 5 each): what recomputing a prefix costs."""
+    """The model's prefill cost, fitted to whole eager prefills of an eighth to all of the
+    longest context, six lengths (best of 5 each): what recomputing a prefix costs. (Three
+    lengths for the fit's three terms fitted them exactly, noise included: one run's rate came
+    out 12x too fast, and its planner never loaded.)"""
     g = torch.Generator().manual_seed(args.seed + 1)
     samples = []
-    for n in (args.max_context // 4, args.max_context // 2, args.max_context - 1):
+    for n in [args.max_context * k // 8 for k in (1, 2, 3, 4, 6)] + [args.max_context - 1]:
         ids = torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist()
         best = float("inf")
         for _ in range(5):

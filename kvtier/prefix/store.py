@@ -41,7 +41,7 @@ from kvtier.state.pool import Pool
 from kvtier.state.table import EMPTY
 from kvtier.transfer.base import Moves
 from kvtier.types import Direction, PageState, PoolId, Tier
-from kvtier.validate import check_keys, check_name, check_slots, first_repeat, unrepeated
+from kvtier.validate import check_keys, check_name, check_slots, unrepeated
 
 
 class PrefixStore:
@@ -413,15 +413,13 @@ class PrefixStore:
         return bool(len(on_disk))
 
     def prefix(self, pool: Pool, salted: list[bytes]) -> np.ndarray:
-        """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size. A
-        key repeated in ``salted`` ends it at the repeat: chained keys never repeat, and every
-        caller needs distinct rows (one restore, one protect, one copy source per page)."""
+        """Rows of the longest prefix of ``salted`` stored (not dropped) at ``pool``'s size.
+        ``salted`` repeats no key (``unrepeated`` at every entry: one restore, one protect, one
+        copy source per page)."""
         t = self._core.table
         found = list(map(t.by_key.get, salted))
         if None in found:
             found = found[: found.index(None)]
-        if len(set(found)) < len(found):
-            found = found[: first_repeat(found)]
         rows = np.array(found, dtype=np.int64) if found else EMPTY
         bad = t.dropped(rows) | (t.size[rows] != pool.page_size)
         return rows[: int(np.argmax(bad))] if bad.any() else rows
