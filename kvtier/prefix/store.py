@@ -368,7 +368,8 @@ class PrefixStore:
         waiting for disk reads).
 
         Pages already in CPU are protected as soon as they are seen, so bringing the rest up
-        from disk can't push them back down.
+        from disk can't push them back down. When the blocks below get no slot in the CPU tier
+        and nothing under way will free one (``_stuck``), it is the leading part already there.
         """
         core, t = self._core, self._core.table
         deadline = time.monotonic() + core.config.restore_timeout_s
@@ -395,12 +396,26 @@ class PrefixStore:
                 if len(on_disk):
                     core.starts.restore_below(on_disk)
                 core.cancel(down)
+                if self._stuck(rows):  # no room will come: the part already in the CPU tier
+                    lead = rows[: int(np.argmin(t.at(rows, Tier.CPU)))]
+                    core.unprotect(np.array(sorted(held.difference(lead.tolist())),
+                                            dtype=np.int64))
+                    return lead
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
                 core.cond.wait(0.05)
         except BaseException:
             core.unprotect(np.array(sorted(held), dtype=np.int64))
             raise
+
+    def _stuck(self, rows: np.ndarray) -> bool:
+        """No block of ``rows`` on its way up and no transfer under way: the blocks below the
+        CPU tier got no slot there (every page in it is protected, or its tenant within its
+        quota), and nothing running will free one."""
+        core = self._core
+        restores, offloads = core.scheduler.depth()
+        return not (core.table.moving(rows).any() or restores or offloads
+                    or core.scheduler.inflight_bytes)
 
     def _read_ahead(self, pool: Pool, salted: list[bytes]) -> bool:
         """Queue the disk reads of every stored block of ``salted`` at once, so the disk lane

@@ -243,3 +243,24 @@ def test_loading_a_prefix_longer_than_the_cpu_quota(make_engine):
     assert set(engine.lookup("a", mine)) <= {Tier.CPU, Tier.DISK}
     assert loads_exactly(engine, pool, mine, 11)
     ledger_matches_table(engine)
+
+
+def test_a_load_that_can_get_no_cpu_room_is_a_miss_not_a_wait(make_engine):
+    """A tenant whose CPU quota is the whole CPU tier keeps every page there (within its
+    quota, no other tenant displaces them): another tenant's blocks on disk can get no CPU slot,
+    and its load used to wait for one until its deadline (DeadlineExceeded). Now it is the part
+    already in the CPU tier (here none): a miss at once."""
+    engine = make_engine(
+        cpu_memory_gb=8 * PAGE / 2**30, disk_admission="always", restore_timeout_s=5.0,
+        tenant_quotas=f"b=cpu:{pages(8)}",
+    )
+    pa, pb = engine.attach("a", 4), engine.attach("b", 4)
+    theirs = keys("a", 4)
+    assert store(engine, pa, theirs, 3) == 4
+    assert store(engine, pb, keys("b", 16), 5) == 16  # fills the CPU tier within b's quota
+    assert engine.wait_idle(30)
+    assert set(engine.lookup("a", theirs)) == {Tier.DISK}
+    (_, slot), = engine.allocate(pa.pool_id, 1)
+    assert engine.load(pa.pool_id, theirs[:1], [slot]) == 0
+    assert loads_exactly(engine, pb, keys("b", 16)[-8:], 5 + 8)  # b's pages untouched
+    ledger_matches_table(engine)
