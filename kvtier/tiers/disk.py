@@ -2,7 +2,7 @@
 
 Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io, io_threads,
 *, extent_bytes, part_bytes)``.
-    * ``pages-<page_size>.dat`` grows lazily in extents (``posix_fallocate``, else ``ftruncate``);
+    * ``pages-<page_size>.dat`` grows lazily, doubling up to extents (``posix_fallocate``);
       the files together never exceed ``budget_bytes``. Files never shrink, so bytes given to one
       page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full,
       or for a page size not a multiple of ``ALIGN`` (a registered pool's; warned once).
@@ -307,7 +307,8 @@ class DiskStore:
         at most once per ``LOG_EVERY_S``): the journal files stay, and so do their records."""
         error = self._compact()
         if error is not None:
-            self._save_failed("disk index not saved", error)
+            with self._lock:
+                self._failed("disk index not saved", error)
         return error is None
 
     def _compact(self) -> OSError | None:
@@ -329,9 +330,6 @@ class DiskStore:
                 self._save_errors.succeed()
             return None
 
-    def _save_failed(self, what: str, exc: OSError) -> None:
-        with self._lock:
-            self._failed(what, exc)
 
     def _failed(self, what: str, exc: OSError) -> None:
         """Lock held: log a failure to write to the directory, at most once per LOG_EVERY_S."""
@@ -407,11 +405,13 @@ class DiskStore:
         return f
 
     def _grow(self, f: SlotFile, need: int) -> bool:
-        """Add at least ``need`` slots to ``f`` (an extent when the budget allows)."""
+        """Add at least ``need`` slots to ``f``, doubling it up to an extent within budget (a
+        file's bytes stay with its size: a few blocks of many sizes can't hold the disk)."""
         room = (self.budget_bytes - self.reserved_bytes) // f.page_size
         if room < need:
             return False
-        for add in dict.fromkeys((min(room, max(need, self.extent_bytes // f.page_size)), need)):
+        step = min(self.extent_bytes // f.page_size, max(1, f.nslots))
+        for add in dict.fromkeys((min(room, max(need, step)), need)):
             if extend(f.fd, f.nslots * f.page_size, add * f.page_size):
                 for s in range(f.nslots, f.nslots + add):
                     heapq.heappush(f.free, s)

@@ -221,3 +221,16 @@ def test_sigkill_mid_write_never_yields_torn_pages(tmp_path: Path) -> None:
         assert store.counters.checksum_failures == 4
         for i in range(4, 8):
             assert torch.equal(dsts[i], original[i])
+
+
+def test_a_few_pages_of_many_sizes_cannot_take_the_disk(tmp_path: Path) -> None:
+    """A page size's file grew by a whole extent (64 MiB) at its first page and never gave it
+    back: one page each of a few sizes held the disk, and every other size got no slot. Files
+    now double from their first page up to an extent."""
+    with DiskStore(tmp_path, 64 << 20, extent_bytes=64 << 20) as store:
+        for k in range(1, 9):
+            assert store.alloc(k * PS, 1) is not None, k
+        assert store.reserved_bytes == sum(k * PS for k in range(1, 9))
+        got = [store.alloc(PS, 1) for _ in range(6)]  # the first size's file doubles: 2, 4, 8
+        assert all(g is not None for g in got)
+        assert os.path.getsize(tmp_path / f"pages-{PS}.dat") == 8 * PS
