@@ -15,8 +15,8 @@ def test_a_few_blocks_of_many_page_sizes_cannot_keep_another_size_out_of_the_cpu
     a 4-chunk tier's whole budget (a tenant using 40 KiB of 4 MiB), and every store or offload
     of a fifth size got no slot. Now the sparsest chunk of another size is emptied down the
     chain for it, and the blocks sent down still load exactly."""
-    # A 4-chunk CPU tier; the disk gives each page size 64 MiB extents: room for five sizes.
-    engine = make_engine(cpu_memory_gb=4 / 1024, pinned_chunk_mb=1, disk_gb=0.5,
+    # A 4-chunk CPU tier over a disk with room for what is sent down.
+    engine = make_engine(cpu_memory_gb=4 / 1024, pinned_chunk_mb=1, disk_gb=16 / 1024,
                          disk_admission="always")
     sizes = [4 * KIB, 8 * KIB, 12 * KIB, 16 * KIB]
     evil = []
@@ -45,7 +45,7 @@ def test_blocks_of_a_page_size_the_disk_cannot_hold_are_dropped_not_raised(make_
     odd per-layer size); the disk tier refused such a size with an exception that reached
     whichever call had made the room (another tenant's store) and the shutdown flush. Such
     pages now get no disk slot: the cascade drops them as for a full disk."""
-    engine = make_engine(cpu_memory_gb=1 / 1024, pinned_chunk_mb=1, disk_gb=0.5,
+    engine = make_engine(cpu_memory_gb=1 / 1024, pinned_chunk_mb=1, disk_gb=16 / 1024,
                          disk_admission="always")
     odd = engine.register("odd", [torch.full((16, 3000), 7, dtype=torch.uint8)])
     assert engine.store(odd.pool_id, [f"o{i}".encode() for i in range(16)], list(range(16))) == 16
