@@ -221,9 +221,11 @@ class KVTierServicer:
 
     def Store(self, request, context):
         """Copies pinned slots into keyed host pages (content keys are salted per tenant by the daemon).
-        Returns how many keys are stored. A key already present counts as stored and keeps the bytes
-        first stored under it, even when the slot now holds other bytes (a key names content); so
-        does a key repeated within one call. FAILED_PRECONDITION: a slot of an attached pool whose
+        Returns how many keys are stored. A key already present at the pool's page size counts as
+        stored and keeps the bytes first stored under it, even when the slot now holds other bytes
+        (a key names content); so does a key repeated within one call. A key present only at another
+        page size (another layout) is stored anew, its old page dropped as `replaced`; while that
+        page is being loaded or moved the key is not stored (not counted). FAILED_PRECONDITION: a slot of an attached pool whose
         page is not acquired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -243,7 +245,8 @@ class KVTierServicer:
     def Load(self, request, context):
         """Copies keyed pages into slots. Returns the number of leading keys loaded; a corrupt or dropped
         block, or one stored with another page size than this pool's, ends the prefix early (never
-        wrong bytes). Blocks on disk are read back through the host tier first.
+        wrong bytes), and so does a key repeated within the call (chained keys never repeat): the
+        prefix ends before the repeat. Blocks on disk are read back through the host tier first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
