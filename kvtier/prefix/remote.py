@@ -93,7 +93,8 @@ class RemoteTier:
                 self._recent.popitem(last=False)
 
     def _forget(self, keys: Sequence[bytes]) -> None:
-        """Keys queued but evicted before they were written: worth offering again."""
+        """Keys that may not be in the store (evicted from the queue, or in a batch the store
+        did not wholly take): worth offering again."""
         with self._lock:
             for key in keys:
                 self._recent.pop(key, None)
@@ -159,7 +160,9 @@ class RemoteTier:
     def _get_verified(
         self, keys: Sequence[bytes], length: int
     ) -> list[memoryview | str | None]:
-        values = self.medium.get_many([self.framer.store_key(k) for k in keys])
+        # Read no more of a value than a good one holds (+1 byte: a longer one is refused).
+        most = max((self.framer.framed_size(k, length) for k in keys), default=0)
+        values = self.medium.get_many([self.framer.store_key(k) for k in keys], most)
         unframe = self.framer.unframe
         return [None if v is None else unframe(k, v, length)
                 for k, v in zip(keys, values, strict=True)]

@@ -13,6 +13,7 @@ Contract:
       3-4x faster than HMAC-SHA256 per core, and run without the GIL) under the MAC key. The
       same in two steps without a copy: ``open(salted, n) -> (buffer, payload view)``, fill the
       view, then ``seal(buffer) -> memoryview`` (computes the MAC into the buffer's tail).
+    * ``framed_size(salted, length)``: the size of that value.
     * ``unframe(salted, value, length) -> memoryview | str``: the payload when the value is
       exactly what a daemon holding this secret framed for ``salted`` with ``length`` payload
       bytes; otherwise the reason it is refused (``header``, ``key``, ``length``, ``mac``): a
@@ -71,6 +72,11 @@ class Framer:
         buf, body = self.open(salted, len(payload))
         body[:] = payload
         return bytes(self.seal(buf))
+
+    @staticmethod
+    def framed_size(salted: bytes, length: int) -> int:
+        """The size of the value ``frame`` makes of ``length`` payload bytes for ``salted``."""
+        return _HEAD.size + len(salted) + length + _MAC_BYTES
 
     def unframe(self, salted: bytes, value: bytes, length: int) -> memoryview | str:
         head_len = _HEAD.size + len(salted)

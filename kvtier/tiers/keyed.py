@@ -7,8 +7,10 @@ Contract of :class:`KeyedMedium` (every method takes a batch and is safe from an
     * ``put_many(items, ttl_s) -> int``: writes every ``(key, value)``; returns how many were
       written. An item that could not be written is simply not counted (never raises for a store
       fault); ``ttl_s > 0`` asks the store to expire the value after that many seconds.
-    * ``get_many(keys) -> list[bytes | None]``: one entry per key, ``None`` for a miss. Any fault
-      (store down, slow past its deadline, a node gone) answers misses, never an exception.
+    * ``get_many(keys, max_bytes=None) -> list[bytes | None]``: one entry per key, ``None`` for a
+      miss. Any fault (store down, slow past its deadline, a node gone) answers misses, never an
+      exception. With ``max_bytes``, at most ``max_bytes + 1`` bytes of each value are read (a
+      longer value comes back cut there: never more memory than that, whatever was planted).
     * ``contains_many(keys) -> list[bool]``: whether each key is present (no value transferred);
       faults answer ``False``.
     * No call waits past the medium's deadline. ``close()`` releases connections; calls after it
@@ -43,7 +45,8 @@ class KeyedMedium(ABC):
     def put_many(self, items: Sequence[tuple[bytes, Value]], ttl_s: int = 0) -> int: ...
 
     @abstractmethod
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+    def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None
+                 ) -> list[bytes | None]: ...
 
     @abstractmethod
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
@@ -80,11 +83,14 @@ class DictMedium(KeyedMedium):
                 self.ttls[bytes(key)] = ttl_s
             return len(items)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None
+                 ) -> list[bytes | None]:
         with self._lock:
             if self._fault():
                 return [None] * len(keys)
-            return [self.data.get(bytes(k)) for k in keys]
+            got = [self.data.get(bytes(k)) for k in keys]
+            end = None if max_bytes is None else max_bytes + 1
+            return [None if v is None else v[:end] for v in got]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:

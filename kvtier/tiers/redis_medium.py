@@ -5,7 +5,9 @@ Contract (that of ``kvtier.tiers.keyed.KeyedMedium``, plus):
       such as ``ssl_ca_certs`` pass through); the password comes separately, never in the URL.
       Whether the store is a Cluster is asked on connect (``INFO cluster``): a Cluster gets a
       cluster client, whose pipelines split every batch into one pipeline per node by hash slot.
-    * Every socket operation is bounded by ``timeout_s``; redis-py's own retries are off, so a
+    * Every call is bounded by ``timeout_s`` as a whole (a reply trickled in a byte at a time
+      ends at its deadline, not only each socket read), and every socket operation by it too;
+      redis-py's own retries are off, so a
       call answers within its deadline (per node of a Cluster batch) or fails into misses.
     * A connection fault or timeout marks the store unreachable for ``retry_after_s``: calls in
       that window answer misses at once (no call waits on a store known to be down), the next call
@@ -26,7 +28,8 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.connection import Connection, PythonRespSerializer, SSLConnection
+from redis.connection import Connection, DefaultParser, PythonRespSerializer, SSLConnection
+from redis.exceptions import TimeoutError as RedisTimeout
 from redis.retry import Retry
 
 from kvtier.tiers.keyed import KeyedMedium, MediumHealth, Value
@@ -62,6 +65,7 @@ class RedisMedium(KeyedMedium):
             "password": self._password, "socket_timeout": self._timeout,
             "socket_connect_timeout": self._timeout, "retry": Retry(NoBackoff(), 0),
             "client_name": "kvtier", "connection_class": _TLSConnection if tls else _Connection,
+            "parser_class": _DeadlineParser,
         }
 
     def _connect(self) -> Any:
@@ -140,11 +144,14 @@ class RedisMedium(KeyedMedium):
             pipe = conn.pipeline(transaction=False)
             for key in keys:
                 add(pipe, key)
+            _CALL.deadline = time.monotonic() + self._timeout
             results: list[Any] = pipe.execute(raise_on_error=False)
         except Exception as exc:
             with self._lock:
                 self._fault_locked(exc, node)
             return None
+        finally:
+            _CALL.deadline = 0.0
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             with self._lock:
@@ -191,11 +198,15 @@ class RedisMedium(KeyedMedium):
         results = self._pipeline(items, lambda p, kv: p.set(kv[0], kv[1], ex=ex), _first)
         return 0 if results is None else sum(r is True for r in results)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        results = self._pipeline(keys, lambda p, k: p.get(k))
+    def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None
+                 ) -> list[bytes | None]:
+        if max_bytes is None:
+            results = self._pipeline(keys, lambda p, k: p.get(k))
+        else:  # GETRANGE: a value planted larger is read only that far ("" for no key)
+            results = self._pipeline(keys, lambda p, k: p.getrange(k, 0, max_bytes))
         if results is None:
             return [None] * len(keys)
-        return [r if isinstance(r, bytes) else None for r in results]
+        return [r if isinstance(r, bytes) and r else None for r in results]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         # Standalone: one multi-key EXISTS first (its count answers "all" or "none" in one
@@ -214,11 +225,14 @@ class RedisMedium(KeyedMedium):
         if client is None:
             return None
         try:
+            _CALL.deadline = time.monotonic() + self._timeout
             count = int(client.exists(*keys))
         except Exception as exc:
             with self._lock:
                 self._fault_locked(exc)
             return None
+        finally:
+            _CALL.deadline = 0.0
         self._ok()
         return count
 
@@ -232,6 +246,23 @@ class RedisMedium(KeyedMedium):
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+class _Deadline(threading.local):
+    deadline = 0.0  # monotonic end of this thread's call in progress (0: none)
+
+
+_CALL = _Deadline()
+
+
+class _DeadlineParser(DefaultParser):  # type: ignore[misc,valid-type]
+    """Each read from the socket first checks the thread's call deadline: a store that sends
+    its reply a byte at a time (each read within the socket timeout) still ends the call."""
+
+    def read_from_socket(self, *args: Any, **kwargs: Any) -> Any:
+        if _CALL.deadline and time.monotonic() > _CALL.deadline:
+            raise RedisTimeout("kvtier: the call's deadline passed mid-reply")
+        return super().read_from_socket(*args, **kwargs)
 
 
 class _ValuesUncopied:

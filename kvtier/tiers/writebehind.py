@@ -12,8 +12,9 @@ Contract:
       ``max_bytes``) at a time, turns each item
       into a ``(store key, value)`` with ``encode`` (framing and MAC happen here, off the
       caller's path) and writes the batch with one ``put_many``; items the medium did not
-      write are dropped and counted (reason ``store``). Nothing is retried: a later Store of
-      the same block writes it again.
+      write are dropped and counted (reason ``store``), and a batch not wholly written is
+      reported to ``on_drop`` (the medium does not say which items it wrote). Nothing is
+      retried: a later Store of the same block writes it again.
     * ``flush(timeout) -> bool``: waits until everything offered so far is written or dropped.
       ``close(timeout)``: stops taking items, drains what is queued within ``timeout``, then drops
       the rest (counted ``closed``).
@@ -50,8 +51,8 @@ class WriteBehind:
         self, medium: KeyedMedium, encode: Encode, *, max_bytes: int, batch_bytes: int,
         ttl_s: int = 0, threads: int = 1, on_drop: Callable[[list[bytes]], object] | None = None,
     ) -> None:
-        """``on_drop(names)``: queued items evicted for another owner's (called without the
-        queue's lock)."""
+        """``on_drop(names)``: items that may not be in the store: evicted from the queue for
+        another owner's, or in a batch not wholly written (called without the queue's lock)."""
         self._medium, self._encode, self._ttl_s = medium, encode, ttl_s
         # A writer's batch is at most a quarter of the bound: most of what waits stays queued,
         # where a full queue can still make room for a light owner (items in flight can't).
@@ -124,6 +125,8 @@ class WriteBehind:
                     self.queued_bytes -= size
                     self._busy -= 1
                     self._cond.notify_all()
+            if written < len(batch) and self._on_drop is not None:
+                self._on_drop([name for name, _ in batch])  # any of them may be unwritten
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -187,3 +187,90 @@ def test_tls_with_a_private_ca(tmp_path: Path) -> None:
         assert plain.get_many([b"kvtier:k1"]) == [None]
     finally:
         s.stop()
+
+
+def test_a_value_planted_larger_is_read_only_as_far_as_asked(server: RedisServer) -> None:
+    """Anyone who can reach the store can grow a value (SETRANGE) to hundreds of MiB; a read
+    of it took all of it into memory before the length check refused it."""
+    m = medium(server.url)
+    assert m.put_many([(b"kvtier:big", bytes(8 << 20)), (b"kvtier:ok", b"x" * 100)]) == 2
+    got = m.get_many([b"kvtier:big", b"kvtier:ok", b"kvtier:absent"], max_bytes=100)
+    assert got == [bytes(101), b"x" * 100, None]  # cut one byte past: refused as too long
+    server.cli("rpush", "kvtier:list", "a")  # another type at the key: a miss
+    assert m.get_many([b"kvtier:list"], max_bytes=100) == [None]
+    m.close()
+
+
+class TricklingStore:
+    """A hostile store on a real socket: the handshake at once, then every reply one byte per
+    ``drip_s`` (each byte well within the socket timeout)."""
+
+    def __init__(self, drip_s: float = 0.05) -> None:
+        import socket
+        import threading
+
+        self.drip_s, self.stopped = drip_s, False
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self.stopped:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:  # type: ignore[no-untyped-def]
+        f = conn.makefile("rb")
+        try:
+            while not self.stopped and (line := f.readline()):
+                args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+                cmd = args[0].upper()
+                if cmd == b"HELLO":  # the handshake: the server's fields, as a map in RESP3
+                    proto = args[1] if len(args) > 1 else b"2"
+                    kv = [b"server", b"redis", b"version", b"7.0.15", b"proto", b":" + proto,
+                          b"mode", b"standalone", b"role", b"master", b"modules", b"*0"]
+                    head = b"%%%d\r\n" % (len(kv) // 2) if proto == b"3" else b"*%d\r\n" % len(kv)
+                    conn.sendall(head + b"".join(
+                        v + b"\r\n" if v[:1] in (b":", b"*") else b"$%d\r\n%s\r\n" % (len(v), v)
+                        for v in kv))
+                elif cmd == b"INFO":
+                    body = b"# Cluster\r\ncluster_enabled:0\r\n"
+                    conn.sendall(b"$%d\r\n%s\r\n" % (len(body), body))
+                elif cmd in (b"GET", b"GETRANGE", b"EXISTS"):
+                    reply = b"$4096\r\n" + bytes(4096) + b"\r\n"
+                    for i in range(len(reply)):
+                        if self.stopped:
+                            return
+                        conn.sendall(reply[i : i + 1])
+                        time.sleep(self.drip_s)
+                else:
+                    conn.sendall(b"+OK\r\n")
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.sock.close()
+
+
+def test_a_reply_trickled_a_byte_at_a_time_ends_at_the_calls_deadline() -> None:
+    """Each byte within the socket timeout kept the call (and every remote fetch queued behind
+    it) waiting for as long as the store liked; the call now ends at its deadline, a miss."""
+    store = TricklingStore()
+    try:
+        m = medium(store.url)
+        for call, args in ((m.get_many, [b"kvtier:k"]), (m.contains_many, [b"kvtier:k"]),
+                           (m.contains_many, [b"kvtier:a", b"kvtier:b"])):
+            got, took = timed(call, args)
+            assert not any(got) and took < TIMEOUT + SLACK, (call, took)
+        assert m.health().errors.get("timeout", 0) >= 1
+        m.close()
+    finally:
+        store.stop()

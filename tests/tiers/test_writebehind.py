@@ -34,3 +34,22 @@ def test_a_full_queue_makes_room_from_the_flooding_owner_and_writes_in_turn() ->
         assert writer.counters.pages == 4 and writer.queued_bytes == 0
     finally:
         writer.close(5)
+
+
+def test_items_the_store_did_not_take_are_reported_so_they_can_be_offered_again() -> None:
+    """A batch the store refused (down, full) was dropped and counted, but its blocks stayed
+    known as written to the remote tier, so a later Store of them never wrote them again."""
+    medium, dropped = DictMedium(), []
+    writer = WriteBehind(medium, lambda name, payload: (name, payload), max_bytes=8 * ITEM,
+                         batch_bytes=2 * ITEM, on_drop=dropped.extend)
+    try:
+        medium.down = True
+        assert writer.offer(_items("a", 2), "t") == 2
+        assert writer.flush(5)
+        assert sorted(dropped) == [b"a0", b"a1"] and writer.counters.dropped == {"store": 2}
+        medium.down = False
+        assert writer.offer(_items("a", 2), "t") == 2  # offered again: written this time
+        assert writer.flush(5) and sorted(medium.data) == [b"a0", b"a1"]
+        assert sorted(dropped) == [b"a0", b"a1"]  # nothing more reported
+    finally:
+        writer.close(5)
