@@ -29,6 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import Connection, DefaultParser, PythonRespSerializer, SSLConnection
+from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.retry import Retry
 
@@ -44,6 +45,7 @@ class RedisMedium(KeyedMedium):
         retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
         self._url, self._password, self._timeout = url, password, timeout_s
+        self._getrange = True  # False once the ACL user was refused GETRANGE (then GET)
         self._retry_after = retry_after_s
         self._lock = threading.Lock()  # guards the client, the back-off and the counters
         self._connected = threading.Condition(self._lock)  # a connect in progress ended
@@ -200,10 +202,16 @@ class RedisMedium(KeyedMedium):
 
     def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None
                  ) -> list[bytes | None]:
-        if max_bytes is None:
-            results = self._pipeline(keys, lambda p, k: p.get(k))
-        else:  # GETRANGE: a value planted larger is read only that far ("" for no key)
+        results = None
+        if max_bytes is not None and self._getrange:  # a value planted larger: read that far
             results = self._pipeline(keys, lambda p, k: p.getrange(k, 0, max_bytes))
+            if results and all(isinstance(r, NoPermissionError) for r in results):
+                self._getrange = False  # an ACL user of an older release: GET, and say so
+                log.warning("remote store: the ACL user may not GETRANGE; reading whole values "
+                            "with GET (add +getrange: docs/operations.md, Remote tier)")
+                results = None
+        if results is None and (max_bytes is None or not self._getrange):
+            results = self._pipeline(keys, lambda p, k: p.get(k))
         if results is None:
             return [None] * len(keys)
         return [r if isinstance(r, bytes) and r else None for r in results]
