@@ -145,7 +145,7 @@ def unrepeated(
     if len(keys) != len(slots):
         return keys, slots
     try:
-        n = first_repeat(keys) if len(set(keys)) < len(keys) else len(keys)
+        n = first_repeat(keys)
     except TypeError:
         return keys, slots
     return keys[:n], slots[:n]
@@ -153,6 +153,8 @@ def unrepeated(
 
 def first_repeat(items: Sequence[Hashable]) -> int:
     """Index of the first item equal to an earlier one (``len(items)`` when none is)."""
+    if len(set(items)) == len(items):  # the usual case: one pass in C
+        return len(items)
     seen: set[Hashable] = set()
     for i, item in enumerate(items):
         if item in seen:

@@ -31,12 +31,12 @@ import os
 import resource
 import socket
 import struct
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from kvtier.errors import KVTierError
+from kvtier.tiers.diskio import Throttle
 
 from .leases import Leases
 from .tickets import TICKET_BYTES, Tickets
@@ -92,7 +92,7 @@ class FdExchange:
         self.paths, self.path, self.lease_s = paths, paths[0], lease_s
         self.max_conns, deposits = descriptor_shares(fd_limit)
         self.tickets, self.leases = Tickets(ttl, max_total=deposits), Leases()
-        self._warned = 0.0
+        self._accept_errors = Throttle(_WARN_S)
         self._detach, self._executor = detach, executor
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[socket.socket] = []
@@ -175,10 +175,10 @@ class FdExchange:
         """Stop accepting for ``_PAUSE_S``: the pending connection stays readable, so accepting
         again at once would spin the event loop (and the log) until a descriptor is free."""
         assert self._loop is not None
-        now = time.monotonic()
-        if now - self._warned >= _WARN_S:
-            self._warned = now
-            log.warning("session socket: accept failed (%s); pausing new sessions", exc)
+        held = self._accept_errors.fail()
+        if held is not None:
+            log.warning("session socket: accept failed (%s, %d more times since last logged); "
+                        "pausing new sessions", exc, held)
         self._loop.remove_reader(listener)
         self._loop.call_later(_PAUSE_S, self._resume, listener)
 

@@ -77,12 +77,16 @@ class Cascade:
         victims = policy.evict(n, protected, partial=True)
         if victims is None or not len(victims):
             return EMPTY
+        self._count_evictions(tier, victims)
+        policy.insert(victims, place.meta(victims))  # back in, so ``unsettle`` is uniform
+        return victims
+
+    def _count_evictions(self, tier: int, victims: np.ndarray) -> None:
+        place = self._place
         wire = place.wire[tier]
         place.counters.evictions[wire] += len(victims)
         place.level_evictions[tier] += len(victims)
         place.ledger.evictions[wire] += place.ledger.per_owner(place.table.owner[victims])
-        policy.insert(victims, place.meta(victims))  # back in, so ``unsettle`` is uniform
-        return victims
 
     def fit_quota(self, tier: int, owner: int, page_size: int, n: int) -> int:
         """How many of ``n`` pages ``owner`` may bring into level ``tier``, after pushing its
@@ -165,8 +169,7 @@ class Cascade:
                 continue
             if protected(rows).any():
                 continue
-            place.counters.evictions[place.wire[Tier.CPU]] += len(rows)
-            place.ledger.evictions[place.wire[Tier.CPU]] += place.ledger.per_owner(t.owner[rows])
+            self._count_evictions(Tier.CPU, rows)
             self.demote(Tier.CPU, rows, size)
             return
 

@@ -11,9 +11,9 @@ waits at most ``seconds``: moves still queued then are cancelled (their pages st
 tier and die with the process). Pages left in the CPU tier are counted as ``shutdown`` drops and
 logged. The disk store journals the records of the pages that land, so they survive the exit; the
 flush then syncs them (``persist``) and reports as written only pages whose records a restart
-will see: a medium that says how many of its record changes are in no file yet
-(``unindexed_records``: a full disk refused the journal) has that many counted as ``unindexed``
-and logged as an error, since a restart finds them only if the index is saved at close.
+will see: the medium's record changes in no file yet (``unindexed_records``: a full disk refused
+the journal) are counted as ``unindexed`` and logged as an error, since a restart finds them only
+if the index is saved at close.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,13 +32,6 @@ if TYPE_CHECKING:
     from kvtier.core import EngineCore
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class IndexedMedium(Protocol):
-    """A medium that can say how many record changes a restart now would not see."""
-
-    def unindexed_records(self) -> int: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,7 +83,7 @@ def _unindexed(core: EngineCore, flushed: int) -> int:
     level = core.record_level
     assert level is not None
     disk = core.media[level]
-    if not flushed or not isinstance(disk, IndexedMedium):
+    if not flushed:
         return 0
     disk.persist()  # the records of the pages that landed: in the file and on the disk
     return min(flushed, disk.unindexed_records())

@@ -20,7 +20,8 @@ calls (the registry lines).
       back is the bytes written or ``False`` (never wrong bytes reported as good).
     * ``set_record`` / ``clear_record`` / ``write_records`` / ``records()``: a persistable
       record (content key, tenant) per slot, for keyed pages to be found after a restart
-      (``NoRecords``: a medium that keeps none); ``persist()`` makes them durable.
+      (``NoRecords``: a medium that keeps none); ``persist()`` makes them durable;
+      ``unindexed_records()``: record changes a restart now would not see (0: none).
     * ``counters`` (``TierCounters``): plain counters for ``kvtier.metrics``; ``close()``.
 """
 
@@ -68,6 +69,8 @@ class SlotMedium(Protocol):
 
     def persist(self) -> None: ...
 
+    def unindexed_records(self) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -88,3 +91,6 @@ class NoRecords:
 
     def persist(self) -> None:
         pass
+
+    def unindexed_records(self) -> int:
+        return 0

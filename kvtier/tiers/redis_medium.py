@@ -202,15 +202,14 @@ class RedisMedium(KeyedMedium):
 
     def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None
                  ) -> list[bytes | None]:
-        results = None
         if max_bytes is not None and self._getrange:  # a value planted larger: read that far
             results = self._pipeline(keys, lambda p, k: p.getrange(k, 0, max_bytes))
             if results and all(isinstance(r, NoPermissionError) for r in results):
                 self._getrange = False  # an ACL user of an older release: GET, and say so
                 log.warning("remote store: the ACL user may not GETRANGE; reading whole values "
                             "with GET (add +getrange: docs/operations.md, Remote tier)")
-                results = None
-        if results is None and (max_bytes is None or not self._getrange):
+                return self.get_many(keys)
+        else:
             results = self._pipeline(keys, lambda p, k: p.get(k))
         if results is None:
             return [None] * len(keys)
