@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n] (the engine's GPU tier)")
     p.add_argument("--pages", type=int, default=128)
     p.add_argument("--page-mib", type=float, default=2.0, help="page size (a multiple of 4 KiB)")
+    p.add_argument("--page-bytes", type=int, default=0,
+                   help="page size in bytes, any (not a multiple of 4 KiB: a registered pool's, "
+                        "padded on disk; the raw peer moves the padded size, no engine part)")
     p.add_argument("--qd", type=int, default=8, help="raw reader/writer: pages in flight")
     p.add_argument("--io-threads", type=int, default=None, help="kvtier disk io threads")
     p.add_argument(
@@ -130,7 +133,8 @@ def raw_figures(args: argparse.Namespace, d: str, page: int) -> dict[str, Any]:
 def store_figures(args: argparse.Namespace, d: str, page: int) -> dict[str, Any]:
     n = args.pages
     threads = args.io_threads or OffloadConfig().disk_io_threads
-    store = DiskStore(os.path.join(d, "store"), page * n, io_threads=threads)
+    budget = -(-page // 4096) * 4096 * n  # slots padded to 4 KiB
+    store = DiskStore(os.path.join(d, "store"), budget, io_threads=threads)
     host = mmap.mmap(-1, page * n)
     src = torch.frombuffer(host, dtype=torch.uint8)
     src.copy_(torch.randint(0, 256, (page * n,), dtype=torch.uint8))
@@ -274,8 +278,9 @@ def best(rounds: list[dict[str, Any]], part: str, key: str) -> float:
 def report(res: dict[str, Any]) -> str:
     rounds = res["rounds"]
     raw, store, eng = rounds[0]["raw"], rounds[0]["store"], rounds[-1]["engine"]
+    parts = ("store", "engine") if eng else ("store",)
     lines = [
-        f"# Disk tier vs raw disk ({res['device']}, {res['pages']} x {res['page_mib']} MiB pages, "
+        f"# Disk tier vs raw disk ({res['device']}, {res['pages']} x {res['page_bytes']} B pages, "
         f"raw qd {res['qd']}, kvtier io threads {store['io_threads']}, O_DIRECT raw="
         f"{raw['direct_io']} kvtier={store['direct_io']}, {len(rounds)} rounds, {res['date']})",
         "",
@@ -291,10 +296,16 @@ def report(res: dict[str, Any]) -> str:
         cells = [best(rounds, "raw", key), best(rounds, "raw", f"{what}_rand")]
         cells = [f"{c:.2f}" for c in cells]
         for part, fig in (("store", what), ("store", f"{what}_scattered"), ("engine", what)):
+            if part not in parts:
+                cells += ["—", "—"]
+                continue
             ratios = sorted(r[part][fig] / r["raw"][key] for r in rounds)
             cells.append(f"{best(rounds, part, fig):.2f}")
             cells.append(f"{statistics.median(ratios):.2f} ({ratios[0]:.2f})")
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    if not eng:
+        return "\n".join([*lines, "", f"Page {res['page_bytes']} B (padded on disk): no engine "
+                           "part (an engine pool's page size is a multiple of 4 KiB).", ""])
     st = eng["stages"]
     lines += [
         "",
@@ -312,7 +323,8 @@ def report(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    page = int(args.page_mib * MIB) // 4096 * 4096
+    page = args.page_bytes or int(args.page_mib * MIB) // 4096 * 4096
+    padded = -(-page // 4096) * 4096  # what the raw peer moves per page
     if page <= 0 or min(args.pages, args.qd, args.rounds) <= 0:
         raise SystemExit("--pages, --page-mib, --qd and --rounds must be positive")
     sys.setswitchinterval(0.0005)  # as `kvtier serve` does
@@ -322,14 +334,15 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             pages=args.pages,
             page_mib=page / MIB,
+            page_bytes=page,
             qd=args.qd,
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         )
         res["rounds"] = [
             dict(
-                raw=raw_figures(args, base, page),
+                raw=raw_figures(args, base, padded),
                 store=store_figures(args, base, page),
-                engine=engine_figures(args, base, page),
+                engine=engine_figures(args, base, page) if page == padded else {},
             )
             for _ in range(args.rounds)
         ]

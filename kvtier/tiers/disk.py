@@ -4,8 +4,10 @@ Contract (see ``kvtier.tiers.base``): ``DiskStore(path, budget_bytes, direct_io,
 *, extent_bytes, part_bytes)``.
     * ``pages-<page_size>.dat`` grows lazily, doubling up to extents (``posix_fallocate``);
       the files together never exceed ``budget_bytes``. Files never shrink, so bytes given to one
-      page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full,
-      or for a page size not a multiple of ``ALIGN`` (a registered pool's; warned once).
+      page size stay with it. ``alloc`` returns ``None`` when the budget (or the disk) is full.
+      A page size that is not a multiple of ``ALIGN`` (a registered pool's) is padded to one on
+      disk (``SlotFile.stride``): each such page is its own system call, through a bounce
+      buffer under O_DIRECT.
     * ``write``/``read`` return ``Future[list[bool]]`` (one per page). A batch is cut into parts
       of at most ``part_bytes`` (``kvtier.tiers.disk_parts``) run at once on ``io_threads``
       threads (the disk's queue depth); each part checksums its own pages. O_DIRECT where the
@@ -108,7 +110,6 @@ class DiskStore:
         self._closed = False
         self._persist_lock = threading.Lock()
         self._save_errors = Throttle()
-        self._unaligned_sizes: set[int] = set()
         problem = unusable_file(self.path)
         if problem is not None:
             self._pool.shutdown()
@@ -130,17 +131,14 @@ class DiskStore:
     @property
     def reserved_bytes(self) -> int:
         """Bytes of slot files on disk (<= budget unless the budget shrank since they grew)."""
-        return sum(f.nslots * f.page_size for f in self._files.values())
+        return sum(f.nslots * f.stride for f in self._files.values())
 
     @property
     def used_bytes(self) -> int:
-        return sum(len(f.used) * f.page_size for f in self._files.values())
+        return sum(len(f.used) * f.stride for f in self._files.values())
 
     def alloc(self, page_size: int, n: int) -> list[DiskSlot] | None:
         """``n`` lowest free slots, growing the file within budget; ``None`` if they don't fit."""
-        if page_size > 0 and page_size % ALIGN:  # a registered pool's odd page size
-            self._unaligned(page_size)
-            return None
         check_page_size(page_size)
         if n < 0:
             raise InvalidArgument("n", f"must be >= 0, got {n}")
@@ -156,12 +154,6 @@ class DiskStore:
             out = [heapq.heappop(f.free) for _ in range(n)]
             f.used.update(out)
             return [DiskSlot(s) for s in out]
-
-    def _unaligned(self, page_size: int) -> None:
-        if page_size not in self._unaligned_sizes:
-            self._unaligned_sizes.add(page_size)
-            log.warning("disk tier: pages of %d bytes (not a multiple of %d) are not written "
-                        "to disk: they stay in the CPU tier or are dropped", page_size, ALIGN)
 
     def free(self, page_size: int, slots: Sequence[int]) -> None:
         """Return slots and forget their bytes and records. A free slot is an internal error."""
@@ -188,7 +180,7 @@ class DiskStore:
             f = self._checked(page_size, slots, srcs, "srcs")
             for s in slots:
                 f.sums.pop(s, None)  # not readable as good until the new bytes are durable
-            runs = split(coalesce(page_size, slots, srcs), page_size, self.part_bytes)
+            runs = split(coalesce(page_size, slots, srcs, f.stride), page_size, self.part_bytes)
             if not runs:
                 return _done([])
             n = len(slots)
@@ -207,7 +199,7 @@ class DiskStore:
             self._check_open()
             f = self._checked(page_size, slots, dsts, "dsts")
             expected = [f.sums.get(s) for s in slots]
-            runs = split(coalesce(page_size, slots, dsts), page_size, self.part_bytes)
+            runs = split(coalesce(page_size, slots, dsts, f.stride), page_size, self.part_bytes)
             if not runs:
                 return _done([])
             ok, bad = [False] * len(slots), list[int]()
@@ -372,7 +364,7 @@ class DiskStore:
             size = page_file_size(name)
             if size is not None:
                 f = self._file(size)
-                f.nslots = os.fstat(f.fd).st_size // f.page_size
+                f.nslots = os.fstat(f.fd).st_size // f.stride
         snapshot, dropped, generation = load_index(self.path)
         found = replay(self.path, snapshot, generation)
         dropped += found.dropped
@@ -407,12 +399,12 @@ class DiskStore:
     def _grow(self, f: SlotFile, need: int) -> bool:
         """Add at least ``need`` slots to ``f``, doubling it up to an extent within budget (a
         file's bytes stay with its size: a few blocks of many sizes can't hold the disk)."""
-        room = (self.budget_bytes - self.reserved_bytes) // f.page_size
+        room = (self.budget_bytes - self.reserved_bytes) // f.stride
         if room < need:
             return False
-        step = min(self.extent_bytes // f.page_size, max(1, f.nslots))
+        step = min(self.extent_bytes // f.stride, max(1, f.nslots))
         for add in dict.fromkeys((min(room, max(need, step)), need)):
-            if extend(f.fd, f.nslots * f.page_size, add * f.page_size):
+            if extend(f.fd, f.nslots * f.stride, add * f.stride):
                 for s in range(f.nslots, f.nslots + add):
                     heapq.heappush(f.free, s)
                 f.nslots += add

@@ -4,13 +4,16 @@ could use them.
 Contract:
     * ``page_file(directory, page_size)``: the slot file of a page size, ``pages-<size>.dat``;
       ``page_file_size(name)``: the page size a slot file's name says (None for any other name,
-      or a size that is not a positive multiple of ``ALIGN``, which the store never writes).
+      or a size of 0).
     * ``unusable_file(directory) -> str | None``: why the store could not use an entry named as
       one of its files (a directory, link or special file, or a file it may not open as it
       must: slot files read-write, the journal and the snapshot read-only), else None. Entries
       it would ignore are not looked at; nothing is ever deleted.
-    * ``SlotFile``: one page size's open slot file and its slots' state.
-    * ``check_page_size(page_size)``: ``InvalidArgument`` unless a positive multiple of ``ALIGN``.
+    * ``SlotFile``: one page size's open slot file and its slots' state. Slot ``s`` lies at
+      ``s * stride``: the page size rounded up to ``ALIGN`` (O_DIRECT's unit), so a page size
+      that is not a multiple of it (a registered pool's: a layer count times an odd per-layer
+      size) is padded on disk.
+    * ``check_page_size(page_size)``: ``InvalidArgument`` unless positive.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class SlotFile:
     sums: dict[int, int] = field(default_factory=dict)  # durable checksums
     records: dict[int, DiskRecord] = field(default_factory=dict)
 
+    @property
+    def stride(self) -> int:
+        """Bytes between slots in the file: the page size rounded up to ``ALIGN``."""
+        return -(-self.page_size // ALIGN) * ALIGN
+
 
 def page_file(directory: str, page_size: int) -> str:
     return os.path.join(directory, f"pages-{page_size}.dat")
@@ -47,8 +55,7 @@ def page_file(directory: str, page_size: int) -> str:
 
 def unusable_file(directory: str) -> str | None:
     """Why the store could not use an entry of ``directory`` named as one of its files (see
-    the contract), or None. Entries it would ignore (odd page sizes, other names) are not
-    looked at."""
+    the contract), or None. Entries it would ignore (other names) are not looked at."""
     for name in sorted(os.listdir(directory)):
         problem = entry_problem(os.path.join(directory, name), _access(name)) if (
             _is_own(name)) else None
@@ -73,11 +80,9 @@ def page_file_size(name: str) -> int | None:
     """The page size of a slot file's name; None for any other name or an odd size."""
     m = _FILE_RE.match(name)
     size = int(m.group(1)) if m else 0
-    return size if size > 0 and size % ALIGN == 0 else None
+    return size if size > 0 else None
 
 
 def check_page_size(page_size: int) -> None:
-    if page_size <= 0 or page_size % ALIGN:
-        raise InvalidArgument(
-            "page_size", f"must be a positive multiple of {ALIGN}, got {page_size}"
-        )
+    if page_size <= 0:
+        raise InvalidArgument("page_size", f"must be > 0, got {page_size}")

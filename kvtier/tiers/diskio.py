@@ -1,5 +1,6 @@
 """Aligned positioned I/O helpers for the disk tier (O_DIRECT needs 4 KiB-aligned buffers,
-offsets and lengths; page sizes are multiples of 4 KiB, so only buffers can be misaligned), and
+offsets and lengths: slots lie at multiples of 4 KiB, and a buffer or a page size that is not
+aligned goes through a bounce buffer), and
 the opening of its files: every one through ``open_regular``, which follows no symbolic link and
 opens nothing but a regular file, so an entry planted in the directory can never make the tier
 chmod or write anything outside it."""
@@ -34,36 +35,42 @@ def view(t: torch.Tensor, nbytes: int) -> memoryview:
 
 
 def coalesce(
-    page_size: int, slots: Sequence[int], bufs: Sequence[torch.Tensor]
+    page_size: int, slots: Sequence[int], bufs: Sequence[torch.Tensor], stride: int = 0
 ) -> list[tuple[int, int, int, list[int]]]:
     """``(file offset, buffer address, nbytes, positions)`` per run of slots adjacent both on
-    disk and in memory, so a batch from one host run is one system call."""
+    disk and in memory, so a batch from one host run is one system call. Slot ``s`` lies at
+    ``s * stride`` (default ``page_size``); padded slots (``stride > page_size``) are never
+    adjacent: one run per page."""
+    stride = stride or page_size
     out: list[tuple[int, int, int, list[int]]] = []
     for i, (s, t) in enumerate(zip(slots, bufs, strict=True)):
         ptr = t.data_ptr()
         if out:
             off, start, n, pos = out[-1]
-            if off + n == s * page_size and start + n == ptr:
+            if off + n == s * stride and start + n == ptr:
                 out[-1] = (off, start, n + page_size, [*pos, i])
                 continue
-        out.append((s * page_size, ptr, page_size, [i]))
+        out.append((s * stride, ptr, page_size, [i]))
     return out
 
 
 def transfer(fd: int, offset: int, ptr: int, nbytes: int, *, write: bool, direct: bool) -> bool:
     """One positioned transfer of ``nbytes`` at ``ptr``; False on an I/O error or a short file.
-    Under O_DIRECT (``direct``) a buffer that is not 4 KiB aligned goes through a bounce buffer."""
+    Under O_DIRECT (``direct``) a buffer or a length that is not 4 KiB aligned goes through a
+    bounce buffer of the length rounded up (a padded slot: zeros written after the page, the
+    padding read and dropped)."""
     bounce: mmap.mmap | None = None
     user = memoryview(cbuf(ptr, nbytes)).cast("B")
-    buf = user
+    buf, total = user, nbytes
     try:
-        if direct and ptr % ALIGN:
-            bounce = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
-            buf = memoryview(bounce)
+        if direct and (ptr % ALIGN or nbytes % ALIGN):
+            total = -(-nbytes // ALIGN) * ALIGN
+            bounce, buf = _bounce(total)
             if write:
-                buf[:] = user
+                buf[:nbytes] = user
+                buf[nbytes:] = bytes(total - nbytes)  # the padding: zeros, not older bytes
         done = 0
-        while done < nbytes:
+        while done < total:
             if write:
                 k = os.pwrite(fd, buf[done:], offset + done)
             else:
@@ -72,14 +79,35 @@ def transfer(fd: int, offset: int, ptr: int, nbytes: int, *, write: bool, direct
                 raise OSError(errno.EIO, "short transfer past end of file")
             done += k
         if bounce is not None and not write:
-            user[:] = buf
+            user[:] = buf[:nbytes]
         return True
     except OSError:
         return False
     finally:
         if bounce is not None:
             buf.release()
-            bounce.close()
+            if bounce is not getattr(_KEPT, "map", None):
+                bounce.close()
+
+
+KEEP_BOUNCE = 16 << 20  # a bounce buffer up to this size stays with its I/O thread
+_KEPT = threading.local()
+
+
+def _bounce(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """A page-aligned buffer of ``nbytes`` (``mmap``: aligned as O_DIRECT needs): the calling
+    thread's own, grown as needed, up to ``KEEP_BOUNCE`` (mapping fresh memory for every page
+    faults and zeroes it: a padded 1 MiB page read at a third of the disk's speed); a larger one
+    is mapped for this transfer only."""
+    kept: mmap.mmap | None = getattr(_KEPT, "map", None)
+    if nbytes > KEEP_BOUNCE:
+        fresh = mmap.mmap(-1, nbytes)
+        return fresh, memoryview(fresh)
+    if kept is None or len(kept) < nbytes:
+        if kept is not None:
+            kept.close()
+        kept = _KEPT.map = mmap.mmap(-1, nbytes)
+    return kept, memoryview(kept)[:nbytes]
 
 
 def extend(fd: int, offset: int, nbytes: int) -> bool:

@@ -40,21 +40,26 @@ def test_a_few_blocks_of_many_page_sizes_cannot_keep_another_size_out_of_the_cpu
         assert int(pool.segments[0][slot].min()) == int(pool.segments[0][slot].max()) == i + 1
 
 
-def test_blocks_of_a_page_size_the_disk_cannot_hold_are_dropped_not_raised(make_engine):
+def test_blocks_of_a_page_size_not_a_multiple_of_4k_go_down_to_disk_and_back(make_engine):
     """A registered pool's page size need not be a multiple of 4 KiB (a layer count times an
-    odd per-layer size); the disk tier refused such a size with an exception that reached
-    whichever call had made the room (another tenant's store) and the shutdown flush. Such
-    pages now get no disk slot: the cascade drops them as for a full disk."""
+    odd per-layer size, e.g. MLA latents). Such pages were refused a disk slot (dropped as for
+    a full disk: an MLA model had no disk tier). They are now padded on disk: they cascade
+    down when the CPU tier fills and load back exactly."""
     engine = make_engine(cpu_memory_gb=1 / 1024, pinned_chunk_mb=1, disk_gb=16 / 1024,
                          disk_admission="always")
-    odd = engine.register("odd", [torch.full((16, 3000), 7, dtype=torch.uint8)])
-    assert engine.store(odd.pool_id, [f"o{i}".encode() for i in range(16)], list(range(16))) == 16
+    layers = [torch.randint(0, 256, (16, 3000), dtype=torch.uint8) for _ in range(3)]
+    odd = engine.register("odd", layers)
+    keys = [f"o{i}".encode() for i in range(16)]
+    assert engine.store(odd.pool_id, keys, list(range(16))) == 16
     victim = engine.attach("victim", 8, page_size=4 * KIB)
     slots = [s for _, s in engine.allocate(victim.pool_id, 8)]
-    keys = [f"v{i}".encode() for i in range(8)]
-    assert engine.store(victim.pool_id, keys, slots) == 8  # the odd pages made way
+    assert engine.store(victim.pool_id, [f"v{i}".encode() for i in range(8)], slots) == 8
     assert engine.wait_idle(10)
-    assert engine.stats().counters.drops.get("disk_full", 0) == 16
-    assert engine.lookup("odd", [b"o0"]) == []  # a miss, never wrong bytes
-    assert engine.store(odd.pool_id, [b"again"], [0]) == 1
-    engine.close(grace=5)  # the shutdown flush skips what the disk can't hold
+    assert engine.stats().counters.drops.get("disk_full", 0) == 0
+    assert Tier.DISK in engine.lookup("odd", keys)
+    want = [t.clone() for t in layers]
+    for t in layers:
+        t.zero_()
+    assert engine.load(odd.pool_id, keys, list(range(16))) == 16
+    assert all(torch.equal(t, w) for t, w in zip(layers, want, strict=True))
+    engine.close(grace=5)

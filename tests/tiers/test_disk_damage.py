@@ -107,7 +107,7 @@ def test_an_unusable_entry_is_one_clear_error(
 def test_entries_the_store_ignores_are_not_refused(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     filled(disk)
-    (disk / "pages-100.dat").mkdir()  # not a page size: never opened
+    (disk / "pages-0.dat").mkdir()  # not a page size: never opened
     (disk / "notes").symlink_to("/nonexistent")
     assert unusable_file(str(disk)) is None
     with DiskStore(disk, 1 << 20, direct_io=False) as store:
