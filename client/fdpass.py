@@ -42,6 +42,10 @@ class Session:
 
     def redeem(self, ticket: bytes, tenant: str) -> int:
         status, _, fd = self._call(REDEEM, ticket, tenant, -1)
+        if status == REFUSED:
+            raise FailedPrecondition(
+                "lease ticket refused: this tenant's sessions already hold pools in a quarter of "
+                "the daemon's session connections (hold every pool of a client on one session)")
         if status != OK:
             raise FailedPrecondition("lease ticket refused (expired, used or another tenant's)")
         with self._lock:

@@ -190,6 +190,11 @@ class OffloadConfig:
         "Per-tenant byte quotas per tier; '*' is the entry for tenants not named; empty: none.",
         "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE",
     )
+    max_pools_per_tenant: int = _opt(
+        64, "MAX_POOLS_PER_TENANT",
+        "Most pools (Attach + Register) a tenant holds at once (RESOURCE_EXHAUSTED beyond): each "
+        "holds a session connection, so one tenant can't take every session.", "1..4096",
+    )
     # --- event streams (server) ---------------------------------------------------------------
     max_watches: int = _opt(
         16, "MAX_WATCHES",
@@ -367,6 +372,7 @@ def _validate(c: OffloadConfig) -> None:
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
+        ("max_pools_per_tenant", 1 <= c.max_pools_per_tenant <= 4096),
         ("max_watches", 1 <= c.max_watches <= 1024),
         ("remote_ttl_s", c.remote_ttl_s >= 0),
         ("remote_admission", c.remote_admission in ("always", "reused", "never")),

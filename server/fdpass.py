@@ -13,7 +13,10 @@ carries exactly one descriptor (a sealed memfd to Register); OK: the reply's tic
 connection after its old one broke: OK when the pool's session closed less than the grace ago
 (the pool now belongs to this session; no memory comes with it). ``status``: 0 OK, 1 DENIED
 (unknown, used, expired or another tenant's ticket), 2 REFUSED (a deposit without exactly one
-descriptor, or too many unredeemed deposits). Any other op, a bad tenant or a descriptor flood
+descriptor, or too many unredeemed deposits; a REDEEM or RENEW that would make this the tenant's
+sessions holding pools more than a quarter of the connection cap: a client holds all its pools
+on one session, so only a tenant opening a session per pool gets there, and it can't lock the
+other tenants out). Any other op, a bad tenant or a descriptor flood
 closes the connection; descriptors that come with a frame that does not use them are closed.
 Tickets never appear in logs.
 
@@ -97,6 +100,8 @@ class FdExchange:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[socket.socket] = []
         self._conns: dict[_Conn, None] = {}  # oldest first
+        self.tenant_sessions = max(1, self.max_conns // 4)  # pool-holding sessions per tenant
+        self._tenants: dict[int, str] = {}  # live session holding a pool -> its tenant
         self._sweeper: asyncio.TimerHandle | None = None
 
     # --- called by the servicer (worker threads) -----------------------------------------------
@@ -233,16 +238,31 @@ class FdExchange:
             got = self.tickets.deposit(tenant, fds[0], session)
             return (OK, got, -1) if got is not None else (REFUSED, bytes(TICKET_BYTES), -1)
         _close_all(fds)
-        if op == RENEW:
-            pool = self.tickets.renewable(ticket, tenant)
-            ok = pool is not None and self.leases.rebind(pool, session)
-            return (OK if ok else DENIED), bytes(TICKET_BYTES), -1
+        none = bytes(TICKET_BYTES)
+        pool = self.tickets.renewable(ticket, tenant) if op == RENEW else None
+        if pool is None and (op == RENEW or not self.tickets.redeemable(ticket, tenant)):
+            return DENIED, none, -1
+        if self._crowded(tenant, session):
+            return REFUSED, none, -1
+        if pool is not None:
+            if not self.leases.rebind(pool, session):
+                return DENIED, none, -1
+            self._tenants[session] = tenant
+            return OK, none, -1
         redeemed = self.tickets.redeem(ticket, tenant)
         if redeemed is None:
-            return DENIED, bytes(TICKET_BYTES), -1
+            return DENIED, none, -1
         pool_id, fd = redeemed
+        self._tenants[session] = tenant
         self.bind(pool_id, session)
-        return OK, bytes(TICKET_BYTES), fd
+        return OK, none, fd
+
+    def _crowded(self, tenant: str, session: int) -> bool:
+        """A session holding no pool yet, of a tenant whose sessions already hold pools in
+        ``tenant_sessions`` of the connection cap (see the module docstring)."""
+        if session in self._tenants:
+            return False
+        return sum(t == tenant for t in self._tenants.values()) >= self.tenant_sessions
 
     def _reply(self, conn: _Conn, frame: bytes, fd: int) -> bool:
         try:
@@ -269,6 +289,7 @@ class FdExchange:
         _close_all(conn.fds)
         conn.fds = []
         self.tickets.drop_conn(conn.session)
+        self._tenants.pop(conn.session, None)
         pools = self.leases.close(conn.session)
         if reap and pools:
             self._orphaned(pools)

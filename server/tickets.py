@@ -73,6 +73,15 @@ class Tickets:
             self._pool_keys[entry.pool_id] = _key(ticket)
         return entry.pool_id, entry.fd
 
+    def redeemable(self, ticket: bytes, tenant: str) -> bool:
+        """Whether ``redeem`` would take ``ticket`` now (nothing is taken)."""
+        if len(ticket) != TICKET_BYTES:
+            return False
+        with self._lock:
+            entry = self._pools.get(_key(ticket))
+            return entry is not None and entry.tenant == tenant and (
+                entry.expires >= time.monotonic())
+
     def renewable(self, ticket: bytes, tenant: str) -> int | None:
         with self._lock:
             got = self._renewals.get(_key(ticket)) if len(ticket) == TICKET_BYTES else None

@@ -34,8 +34,14 @@ if TYPE_CHECKING:
 
 
 def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool) -> None:
-    """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota or the budget."""
-    mine = sum(p.num_slots * p.page_size for p in core.pools.values() if p.tenant == tenant)
+    """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota, the tenant's pool count
+    (``max_pools_per_tenant``) or the budget."""
+    pools = [p for p in core.pools.values() if p.tenant == tenant]
+    most = core.config.max_pools_per_tenant
+    if len(pools) >= most:
+        raise CapacityError(f"tenant {tenant!r} holds {len(pools)} pools, the most one tenant may "
+                            f"(KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT={most}); detach one first")
+    mine = sum(p.num_slots * p.page_size for p in pools)
     limit = core.ledger.quota(tenant).gpu
     if limit is not None and mine + nbytes > limit:
         raise CapacityError(

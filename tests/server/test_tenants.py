@@ -29,7 +29,7 @@ from kvtier.client import (
 )
 from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args
 
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, FailedPrecondition
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -275,3 +275,43 @@ def test_without_credentials_the_socket_is_the_boundary(daemon: Daemon) -> None:
             capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["pools"] >= 2
+
+
+def test_one_tenant_cannot_take_every_session(spawn: Callable[..., Daemon],
+                                              tmp_path: Path) -> None:
+    """A tenant holding each of its pools (one 4 KiB page each, well within its quota) on a
+    session of its own filled the session socket's connection cap, and every other tenant's
+    attach then failed: its session connection was reset. A client holds all its pools on one
+    session, so a tenant's sessions holding pools now stop at a quarter of the cap (the
+    redeem is REFUSED, naming why), and the other tenants still attach."""
+    from kvtier.client.fdpass import Session
+
+    limit = 512  # session connections: 64; one tenant's sessions holding pools: 16
+    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0)
+    env = daemon_env(KVCACHED_OFFLOAD_TENANTS_FILE=str(tenants_file(tmp_path)),
+                     KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT="100")
+    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]], env=env)
+    md = [("kvtier-tenant-token", TOKENS["a"])]
+    sessions, refused = [], 0
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVTierStub(ch)
+        for _ in range(70):
+            r = stub.Attach(pb.AttachRequest(tenant="a", num_pages=1, page_size=4096),
+                            metadata=md, timeout=20)
+            s = Session(r.lease.path)
+            try:
+                os.close(s.redeem(r.lease.ticket, "a"))
+                sessions.append(s)
+            except FailedPrecondition as exc:
+                assert "a quarter of the daemon's session connections" in str(exc)
+                refused += 1
+                s.close()
+    assert (len(sessions), refused) == (16, 54)
+    with client(d, "b", TOKENS["b"]) as b:  # another tenant still gets a session and a pool
+        att = b.attach(2)
+        assert att.tensor is not None and b.allocate(att, 1) is not None
+    for s in sessions:
+        s.close()
+    assert d.proc.poll() is None

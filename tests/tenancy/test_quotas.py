@@ -164,6 +164,24 @@ def test_gpu_quota_at_attach_names_the_tenants_own_quota(make_engine):
     assert len(engine._core.ledger.names) == names
 
 
+def test_a_tenant_holds_at_most_max_pools_per_tenant_pools(make_engine):
+    """Quotas bound a tenant's bytes, not its pools: a thousand one-page pools cost the daemon
+    a session connection and bookkeeping each. Attach and Register stop at
+    ``max_pools_per_tenant``, naming the variable; other tenants are not counted."""
+    engine = make_engine(disk=False, max_pools_per_tenant=3)
+    held = [engine.attach("a", 1) for _ in range(2)]
+    held.append(engine.register("a", [torch.zeros((4, 4096), dtype=torch.uint8)]))
+    for make in (lambda: engine.attach("a", 1),
+                 lambda: engine.register("a", [torch.zeros((4, 4096), dtype=torch.uint8)])):
+        with pytest.raises(CapacityError) as err:
+            make()
+        assert "KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT=3" in str(err.value)
+    assert len(engine.pools("a")) == 3  # nothing changed
+    engine.attach("b", 1)  # another tenant's pools are its own count
+    engine.detach(held[0].pool_id)
+    engine.attach("a", 1)
+
+
 def test_gpu_budget_message_reveals_no_free_bytes(make_engine):
     engine = make_engine(disk=False)  # 1 MiB budget: 256 pages of 4 KiB
     engine.attach("other", 200)
