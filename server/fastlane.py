@@ -11,8 +11,11 @@ Frames (little endian), one request then one reply, any number per connection:
 ``op``: 1 acquire, 2 release. ``status``: 0 OK, 1 use gRPC, 2 denied (unknown pool or wrong
 capability: nothing changed). A frame with ``n`` of 0 or above ``MAX_PAGES`` closes the
 connection. The socket is 0660 like the gRPC one; capabilities are never logged. At most
-``MAX_CONNS`` connections are open at once (like the session socket): one beyond is closed at
-once, and its engine falls back to gRPC, so no client can make the daemon run out of descriptors.
+``MAX_CONNS`` connections are open at once (like the session socket), so no client can make the
+daemon run out of descriptors. At the cap a new connection takes the place of one that never
+sent a valid capability (the oldest), else of the least recently used one of the tenant holding
+the most: idle connections, or one tenant's many, can't keep another tenant's engine off the
+lane (a closed connection's engine falls back to gRPC and reconnects).
 An OK answer is counted in the RPC metrics as the method it stands for (``Acquire``/``Release``,
 code OK); "use gRPC" is not (the gRPC call that follows is), nor is "denied" (the client falls
 back to gRPC, which reports the error).
@@ -27,7 +30,9 @@ import os
 import secrets
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,6 +49,13 @@ MAX_CONNS = 1024
 _METHODS = {ACQUIRE: "Acquire", RELEASE: "Release"}
 
 
+@dataclass(slots=True, eq=False)
+class _Conn:
+    writer: asyncio.StreamWriter
+    tenant: str | None = None  # whose valid capability it sent first (None: none yet)
+    last: float = field(default_factory=time.monotonic)  # opened, or its last answered frame
+
+
 class FastLane:
     """Capabilities per pool, and the asyncio server that checks them."""
 
@@ -54,7 +66,7 @@ class FastLane:
         self._observe = observe
         self._grants: dict[int, tuple[str, bytes]] = {}
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._conns: dict[asyncio.StreamWriter, _Conn] = {}
 
     def grant(self, pool_id: int, tenant: str) -> bytes:
         capability = secrets.token_bytes(16)
@@ -71,7 +83,7 @@ class FastLane:
         os.chmod(self.path, 0o660)
 
     async def stop(self) -> None:
-        for writer in list(self._writers):  # engines fall back to gRPC (and see the drain)
+        for writer in list(self._conns):  # engines fall back to gRPC (and see the drain)
             writer.close()
         if self._server is not None:
             self._server.close()
@@ -81,10 +93,9 @@ class FastLane:
             os.unlink(self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._writers) >= MAX_CONNS:
-            writer.close()
-            return
-        self._writers.add(writer)
+        if len(self._conns) >= MAX_CONNS:
+            self._make_room()
+        conn = self._conns[writer] = _Conn(writer)
         try:
             while True:
                 op, n, pool_id, capability = REQUEST.unpack(await reader.readexactly(REQUEST.size))
@@ -95,6 +106,9 @@ class FastLane:
                 ids = np.frombuffer(await reader.readexactly(8 * n), dtype="<i8")
                 start = time.perf_counter()
                 reply = self.answer(op, pool_id, capability, ids)
+                grant = self._grants.get(pool_id) if reply[0] != DENIED else None
+                if grant is not None:  # a valid capability: whose connection this is
+                    conn.tenant, conn.last = conn.tenant or grant[0], time.monotonic()
                 if reply[0] == OK and self._observe is not None:
                     self._observe(_METHODS[op], "OK", time.perf_counter() - start)
                 writer.write(reply)
@@ -104,8 +118,19 @@ class FastLane:
         except Exception:
             log.exception("fast lane connection failed")
         finally:
-            self._writers.discard(writer)
+            self._conns.pop(writer, None)
             writer.close()
+
+    def _make_room(self) -> None:
+        """Close one connection for a new one (see the module docstring)."""
+        conns = list(self._conns.values())
+        idle = [c for c in conns if c.tenant is None]
+        if not idle:
+            heavy, _ = Counter(c.tenant for c in conns).most_common(1)[0]
+            idle = [c for c in conns if c.tenant == heavy]
+        victim = min(idle, key=lambda c: c.last)
+        del self._conns[victim.writer]
+        victim.writer.close()
 
     def answer(self, op: int, pool_id: int, capability: bytes, ids: np.ndarray) -> bytes:
         grant = self._grants.get(pool_id)

@@ -169,6 +169,9 @@ def test_fast_lane_calls_are_counted_in_the_rpc_metrics(daemon: Daemon) -> None:
 
 
 def test_a_connection_flood_is_capped_and_others_are_still_served(daemon: Daemon) -> None:
+    """Connections opened and left idle are capped (descriptors), and at the cap they make way
+    for a connection that sends a valid capability: a flood kept every new engine off the lane
+    (each call then took gRPC, ~5x slower). Found by a tenant-isolation probe."""
     def fds() -> int:
         return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
 
@@ -185,6 +188,20 @@ def test_a_connection_flood_is_capped_and_others_are_still_served(daemon: Daemon
         time.sleep(1.0)
         assert fds() <= base + MAX_CONNS + 8  # the ones beyond the cap were closed
         assert c.acquire(att, [got[0][0]]) == [got[0][1]]  # gRPC serves what the lane can't
+        # A new engine (its lane connection opened after the flood) still takes the lane: idle
+        # connections that never sent a valid capability make way (they kept it off before).
+        with daemon.client("lane-g") as g:
+            mine = g.attach(4)
+            pages = g.allocate(mine, 2)
+            assert pages is not None and mine.fast_lane is not None
+            ids = [p for p, _ in pages]
+            g.release(mine, ids)
+            hits = mine.fast_lane.hits
+            for _ in range(5):
+                g.acquire(mine, ids)
+                g.release(mine, ids)
+            assert mine.fast_lane.hits - hits == 10
+            g.detach(mine)
         for s in flood:
             s.close()
         deadline = time.monotonic() + 20
@@ -192,3 +209,41 @@ def test_a_connection_flood_is_capped_and_others_are_still_served(daemon: Daemon
             assert time.monotonic() < deadline, f"{fds()} descriptors, not ~{base}"
             time.sleep(0.1)
         c.detach(att)
+
+
+def test_one_tenants_many_lane_connections_make_way_for_another_tenant(daemon: Daemon) -> None:
+    """A tenant's own valid capability on more connections than the cap: at the cap the
+    heaviest tenant's least recently used connection makes way, so another tenant's new
+    engine still takes the lane."""
+    with daemon.client("lane-heavy") as heavy, daemon.client("lane-light") as light:
+        att = heavy.attach(4)
+        got = heavy.allocate(att, 1)
+        assert got is not None and att.fast_lane is not None
+        heavy.release(att, [got[0][0]])
+        # A release of a page not pinned: the capability is valid (the answer is "use gRPC",
+        # not "denied") and nothing changes.
+        hello = frame(2, att.pool_id, att.fast_lane._capability, [got[0][0]])
+        flood = []
+        for _ in range(MAX_CONNS + 50):  # each proves itself with a valid capability
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(att.fast_lane.path)
+            try:
+                s.sendall(hello)
+                assert s.recv(64)[:1] in (b"", bytes([1]))  # use gRPC (or made way already)
+            except OSError:
+                pass  # closed to make room for a newer connection
+            flood.append(s)
+        mine = light.attach(4)
+        pages = light.allocate(mine, 2)
+        assert pages is not None and mine.fast_lane is not None
+        ids = [p for p, _ in pages]
+        light.release(mine, ids)
+        hits = mine.fast_lane.hits
+        for _ in range(5):
+            light.acquire(mine, ids)
+            light.release(mine, ids)
+        assert mine.fast_lane.hits - hits == 10
+        for s in flood:
+            s.close()
+        assert heavy.stats().pinned_pages == 0
