@@ -14,7 +14,11 @@ Contract:
       holder leased the pool (no memory comes with it), until ``forget_pool(pool_id)``.
     * ``deposit(tenant, fd, conn) -> ticket | None``: a client's memfd (the registry owns ``fd``
       from here on, even on ``None``: at most ``MAX_DEPOSITS`` per connection and
-      ``max_total`` in all, each holding a daemon descriptor until taken or expired).
+      ``max_total`` in all, each holding a daemon descriptor until taken or expired). With
+      ``max_total`` held, a deposit takes the place of the oldest one of the connection holding
+      the most, if that one holds more than this connection would: one client's many
+      connections can't keep every other client's Register out (tenant names in a deposit are
+      the client's say-so; connections are what it can't forge).
     * ``take_deposit(ticket, tenant) -> (fd, conn) | None``: as ``redeem``, for deposits.
     * ``drop_conn(conn)``: a closed connection's deposits are closed.
     * ``expire(now) -> list[pool_id]``: drops expired tickets; returns the pools of expired memfd
@@ -29,6 +33,7 @@ import os
 import secrets
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 TICKET_BYTES = 32
@@ -95,14 +100,31 @@ class Tickets:
 
     def deposit(self, tenant: str, fd: int, conn: int) -> bytes | None:
         ticket = secrets.token_bytes(TICKET_BYTES)
+        evicted = -1
         with self._lock:
             held = sum(1 for e in self._deposits.values() if e.conn == conn)
+            if held < MAX_DEPOSITS and len(self._deposits) >= self.max_total:
+                evicted = self._make_room(held + 1)
             if held < MAX_DEPOSITS and len(self._deposits) < self.max_total:
                 self._deposits[_key(ticket)] = _Entry(
                     tenant, fd, time.monotonic() + self.ttl, conn=conn)
-                return ticket
+                fd = -1
+        if evicted >= 0:
+            os.close(evicted)
+        if fd < 0:
+            return ticket
         os.close(fd)
         return None
+
+    def _make_room(self, would_hold: int) -> int:
+        """Lock held: drop the oldest deposit of the connection holding the most, if it holds
+        more than ``would_hold``; its descriptor (to close after the lock), or -1."""
+        counts = Counter(e.conn for e in self._deposits.values())
+        conn, most = counts.most_common(1)[0]
+        if most <= would_hold:
+            return -1
+        key = next(k for k, e in self._deposits.items() if e.conn == conn)  # oldest: first in
+        return self._deposits.pop(key).fd
 
     def take_deposit(self, ticket: bytes, tenant: str) -> tuple[int, int] | None:
         entry = self._take(self._deposits, ticket, tenant)

@@ -72,6 +72,28 @@ def test_deposits_are_bounded_per_connection_and_die_with_it() -> None:
     t.close()
 
 
+def test_a_full_deposit_registry_takes_from_the_connection_holding_most() -> None:
+    """With ``max_total`` held by one client's connection, another connection's deposit took
+    nothing (REFUSED until those expired: one client kept every Register out). Now it takes
+    the place of the oldest deposit of the connection holding the most, while that one holds
+    more than it would."""
+    t = Tickets(max_total=4)
+    hog = [memfd.create(4096) for _ in range(4)]
+    hog_tickets = [t.deposit("x", fd, conn=1) for fd in hog]
+    assert None not in hog_tickets
+    mine = [memfd.create(4096) for _ in range(3)]
+    got = [t.deposit("b", fd, conn=2) for fd in mine]
+    assert got[0] is not None and got[1] is not None  # the hog held 4 > 1, then 3 > 2
+    assert got[2] is None and not is_open(mine[2])  # 2 each: the hog holds no more than 3
+    assert not is_open(hog[0]) and not is_open(hog[1]) and is_open(hog[2])  # the oldest went
+    assert t.take_deposit(hog_tickets[0] or b"", "x") is None
+    for ticket in got[:2]:
+        taken = t.take_deposit(ticket or b"", "b")
+        assert taken is not None and taken[1] == 2
+        os.close(taken[0])
+    t.close()
+
+
 def test_leases_orphan_reap_rebind() -> None:
     leases = Leases()
     s1, s2 = leases.open(), leases.open()
