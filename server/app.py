@@ -130,7 +130,7 @@ def create_server(
     server = grpc.aio.server(
         interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
         options=[("grpc.max_receive_message_length", limit),
-                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
+                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0), *_PEERS],
     )
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
@@ -151,6 +151,20 @@ def create_server(
     bound = _bind(server, addrs)
     return KVTierServer(server, health, draining, executor, instance, lane, tenants,
                         sessions), bound
+
+
+# A peer's hold on the daemon, bounded: streams at once on one connection (each costs ~14 KB,
+# and a peer could open them by the hundred thousand), and pings on every connection so a peer
+# that vanished without closing it (a host gone, a process stopped) loses its calls and their
+# quotas (WatchEvents slots) within KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS.
+MAX_STREAMS = 256
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 30_000, 10_000
+_PEERS = [
+    ("grpc.max_concurrent_streams", MAX_STREAMS),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 def _sessions(config: OffloadConfig, engine: Any, lane: FastLane | None,

@@ -2,7 +2,12 @@
 
 gRPC exposes no peer credentials over a unix socket, so the unix socket is protected by file
 permissions and calls arriving on it need no token. Any other peer (TCP) must send metadata
-``authorization: Bearer <token>``. The health service is exempt so orchestrator probes work.
+``authorization: Bearer <token>``. The health service's Check is exempt so orchestrator probes
+work (its Watch, a stream a peer could hold open by the thousand, is not).
+
+``bearer(metadata)``: whether the metadata carries the token (peer unknown: the interceptor asks
+before any body is read, to admit a call with the token at once); ``tcp``: whether a token is
+configured (without one the daemon has no TCP listener, so every call is a unix one).
 """
 
 from __future__ import annotations
@@ -11,15 +16,23 @@ import hmac
 from collections.abc import Sequence
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_CHECK = HEALTH_PREFIX + "Check"
 
 
 class TokenAuth:
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
+    @property
+    def tcp(self) -> bool:
+        return bool(self._token)
+
     def allows(self, method: str, peer: str, metadata: Sequence[tuple[str, str | bytes]]) -> bool:
-        if method.startswith(HEALTH_PREFIX) or peer.startswith("unix:"):
+        if method == HEALTH_CHECK or peer.startswith("unix:"):
             return True
+        return self.bearer(metadata)
+
+    def bearer(self, metadata: Sequence[tuple[str, str | bytes]]) -> bool:
         if not self._token:
             return False  # fail closed: a TCP call reached a daemon without a token
         for key, value in metadata:

@@ -7,10 +7,11 @@ loop only parses, validates and replies. Errors map to status codes in ``errors.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
@@ -49,15 +50,31 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._sessions = sessions
         self._watches = watches
 
-    async def _run(self, ctx: Ctx, fn: Callable[[], T]) -> T:
+    async def _run(self, ctx: Ctx, fn: Callable[[], T],
+                   undo: Callable[[T], None] | None = None) -> T:
+        """``fn`` on a worker thread. A call that ends while ``fn`` runs gets no reply: cancelled
+        by its caller, or past its deadline (the caller's passed no later than the daemon's).
+        ``undo(result)`` then takes back what ``fn`` handed out (pins, pages, pools) once ``fn``
+        is done, so nothing stays held for nobody."""
+        work = self._executor.submit(fn)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+            result = await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            if undo is not None:
+                work.add_done_callback(functools.partial(_take_back, undo))
+            raise
         except Exception as exc:
             code, message = status_for(exc)
             if is_internal(exc):
                 log.exception("internal error in %s", fn)
             await ctx.abort(code, message)
             raise  # unreachable: abort raises
+        left = ctx.time_remaining()
+        if undo is not None and left is not None and left <= 0:
+            await asyncio.get_running_loop().run_in_executor(self._executor, _take_back, undo,
+                                                             work)
+            await ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
+        return result
 
     def _acquire_resident(self, req: pb.AcquireRequest) -> list[int] | None:
         """The engine's non-blocking fast path; ``None`` sends the call down the full path."""
@@ -98,7 +115,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 reply.fast_lane.capability = self._lane.grant(int(pool.pool_id), tenant)
             return reply
 
-        return await self._run(ctx, call)
+        return await self._run(ctx, call, self._undo_attach)
 
     async def Register(self, req: pb.RegisterRequest, ctx: Ctx) -> pb.AttachReply:
         from .segments import open_segments  # torch views: only needed here
@@ -114,7 +131,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             self._lease(reply, tenant, int(pool.pool_id), -1, session)
             return reply
 
-        return await self._run(ctx, call)
+        return await self._run(ctx, call, self._undo_attach)
+
+    def _undo_attach(self, reply: pb.AttachReply) -> None:
+        self._detach(PoolId(reply.pool_id))
+
+    def _detach(self, pool_id: PoolId) -> None:
+        self._engine.detach(pool_id)
+        if self._lane is not None:
+            self._lane.revoke(int(pool_id))
+        if self._sessions is not None:
+            self._sessions.forget(int(pool_id))
 
     def _lease(self, reply: pb.AttachReply, tenant: str, pool_id: int, fd: int,
                session: int | None) -> None:
@@ -129,12 +156,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     async def Detach(self, req: pb.DetachRequest, ctx: Ctx) -> pb.DetachReply:
         def call() -> pb.DetachReply:
-            pool_id = self._pool(req)
-            self._engine.detach(pool_id)
-            if self._lane is not None:
-                self._lane.revoke(int(pool_id))
-            if self._sessions is not None:
-                self._sessions.forget(int(pool_id))
+            self._detach(self._pool(req))
             return pb.DetachReply()
 
         return await self._run(ctx, call)
@@ -152,7 +174,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 raise shortfall(f"pool {pool} has no room for {n} pages")
             return pb.AllocateReply(pages=[pb.PageSlot(page_id=p, slot=s) for p, s in got])
 
-        return await self._run(ctx, call)
+        def undo(reply: pb.AllocateReply) -> None:
+            self._engine.free(self._pool(req), [PageId(p.page_id) for p in reply.pages])
+
+        return await self._run(ctx, call, undo)
 
     async def Free(self, req: pb.PagesRequest, ctx: Ctx) -> pb.Empty:
         return await self._pages(ctx, req, self._engine.free, lambda _: pb.Empty())
@@ -184,12 +209,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             pool = self._pool(req)
             pages = validate.ids(req.page_ids, "page_ids")
             timeout = validate.timeout(req.timeout_s) or remaining
+            if timeout is not None and remaining is not None:
+                timeout = min(timeout, remaining)  # no reply can reach the caller after that
             slots = self._engine.acquire(pool, pages, timeout=timeout)  # an array, as the ids
             if slots is None:
                 raise shortfall(f"pool {pool} has too few unpinned slots for {len(pages)} pages")
             return pb.AcquireReply(slots=slots.tolist())
 
-        return await self._run(ctx, call)
+        def undo(_: pb.AcquireReply) -> None:
+            self._engine.release(self._pool(req), validate.ids(req.page_ids, "page_ids"))
+
+        return await self._run(ctx, call, undo)
 
     async def SetPriority(self, req: pb.SetPriorityRequest, ctx: Ctx) -> pb.Empty:
         def call() -> pb.Empty:
@@ -267,3 +297,13 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 yield convert.event(event)
         finally:
             self._watches.close(watch)
+
+
+def _take_back(undo: Callable[[Any], None], work: Future[Any]) -> None:
+    """``undo`` of what a call whose caller went away handed out (see ``_run``)."""
+    if work.cancelled() or work.exception() is not None:
+        return  # it handed out nothing
+    try:
+        undo(work.result())
+    except Exception:  # the pool went meanwhile: nothing left to take back
+        log.debug("taking back what a cancelled call handed out failed", exc_info=True)
