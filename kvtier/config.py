@@ -175,6 +175,11 @@ class OffloadConfig:
     max_message_mb: int = _opt(
         64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024"
     )
+    keepalive_s: float = _opt(
+        30.0, "KEEPALIVE_S",
+        "Seconds between pings on each gRPC connection; a peer that answers none within a "
+        "third of it (at least 1 s) loses its calls (a host gone, a process stopped).", "1..3600",
+    )
     log_level: str = _opt("info", "LOG_LEVEL", "Log verbosity.", "debug|info|warning|error")
     # --- tenants ----------------------------------------------------------------------------
     tenants_file: str = _opt(
@@ -370,6 +375,7 @@ def _validate(c: OffloadConfig) -> None:
         ("grace_s", c.grace_s > 0),
         ("lease_s", 0 <= c.lease_s <= 86400),
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
+        ("keepalive_s", 1 <= c.keepalive_s <= 3600),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
         ("max_pools_per_tenant", 1 <= c.max_pools_per_tenant <= 4096),

@@ -130,7 +130,8 @@ def create_server(
     server = grpc.aio.server(
         interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
         options=[("grpc.max_receive_message_length", limit),
-                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0), *_PEERS],
+                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0),
+                 *peer_bounds(config.keepalive_s)],
     )
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
@@ -153,18 +154,22 @@ def create_server(
                         sessions), bound
 
 
-# A peer's hold on the daemon, bounded: streams at once on one connection (each costs ~14 KB,
-# and a peer could open them by the hundred thousand), and pings on every connection so a peer
-# that vanished without closing it (a host gone, a process stopped) loses its calls and their
-# quotas (WatchEvents slots) within KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS.
-MAX_STREAMS = 256
-KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 30_000, 10_000
-_PEERS = [
-    ("grpc.max_concurrent_streams", MAX_STREAMS),
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+MAX_STREAMS = 256  # calls at once on one connection (each costs ~14 KB)
+
+
+def peer_bounds(keepalive_s: float) -> list[tuple[str, int]]:
+    """A peer's hold on the daemon, bounded: streams at once on one connection (a peer could
+    open them by the hundred thousand), and a ping on every connection each ``keepalive_s``, so
+    a peer that vanished without closing it (a host gone, a process stopped) loses its calls,
+    and their quotas (WatchEvents slots), when it leaves one unanswered a third as long."""
+    every, answer = int(keepalive_s * 1000), int(max(1.0, keepalive_s / 3) * 1000)
+    return [
+        ("grpc.max_concurrent_streams", MAX_STREAMS),
+        ("grpc.keepalive_time_ms", every),
+        ("grpc.keepalive_timeout_ms", answer),
+        ("grpc.http2.ping_timeout_ms", answer),  # what ends an unanswered ping in this gRPC
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 def _sessions(config: OffloadConfig, engine: Any, lane: FastLane | None,

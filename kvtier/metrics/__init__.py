@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.metrics import http
 from kvtier.metrics.remote import REMOTE_METRIC_NAMES, remote_metrics
 from kvtier.stats import EngineStats
 from kvtier.types import Direction, Tier
@@ -171,8 +172,7 @@ class DaemonMetrics:
     def serve(self, addr: str) -> int:
         """Serve /metrics on ``host:port``; returns the bound port."""
         host, _, port = addr.rpartition(":")
-        server, _thread = start_http_server(int(port), host.strip("[]") or "0.0.0.0",
-                                            registry=self.registry)
+        server = http.serve(host.strip("[]") or "0.0.0.0", int(port), self.registry)
         self._server = server
         return int(server.server_address[1])
 

@@ -120,3 +120,38 @@ def test_events_reach_an_open_stream_and_drain_ends_it(spawn: Callable[..., Daem
         assert "freed" in kinds, kinds
         assert d.stop(signal.SIGTERM, timeout=20) == 0
         assert ended.wait(10), "the stream did not end when the daemon drained"
+
+
+HOLDER = """
+import sys, time, grpc
+from kvtier.v1 import kvtier_pb2 as pb, kvtier_pb2_grpc as pb_grpc
+ch = grpc.insecure_channel(sys.argv[1])
+calls = [pb_grpc.KVTierStub(ch).WatchEvents(pb.WatchRequest(tenant="w")) for _ in range(2)]
+time.sleep(1.0)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_peers_streams_end_and_give_their_places_back(
+        spawn: Callable[..., Daemon], channel_to: Callable[[Daemon], grpc.Channel]) -> None:
+    """A peer that stops answering without closing its connection (a host gone, a process
+    stopped) held its tenant's WatchEvents places for good: no ping found it out. Now a ping
+    each KEEPALIVE_S that goes unanswered ends its calls."""
+    import subprocess
+    import sys
+
+    d = spawn(env=daemon_env(KVCACHED_OFFLOAD_MAX_WATCHES="2", KVCACHED_OFFLOAD_KEEPALIVE_S="1"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, d.address], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        stub = pb_grpc.KVTierStub(channel_to(d))
+        assert try_open(stub, "w") == S.RESOURCE_EXHAUSTED  # both places held
+        holder.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while try_open(stub, "w") == S.RESOURCE_EXHAUSTED:
+            assert time.monotonic() < deadline, "a stopped peer still holds its places"
+    finally:
+        holder.kill()
+        holder.wait()
