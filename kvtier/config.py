@@ -175,11 +175,11 @@ class OffloadConfig:
     max_message_mb: int = _opt(
         64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024"
     )
-    keepalive_s: float = _opt(
-        30.0, "KEEPALIVE_S",
-        "Seconds between pings on each gRPC connection; a peer that answers none within a "
-        "third of it (at least 1 s) loses its calls (a host gone, a process stopped).", "1..3600",
-    )
+    calls_per_tenant: int = _opt(16, "CALLS_PER_TENANT", "Most calls of one tenant running at "
+                                 "once, streams too (of 64 workers; the rest wait).", "4..64")
+    keepalive_s: float = _opt(30.0, "KEEPALIVE_S", "Seconds between pings per gRPC connection; "
+                              "a peer not answering within a third of it loses its calls.",
+                              "1..3600")
     log_level: str = _opt("info", "LOG_LEVEL", "Log verbosity.", "debug|info|warning|error")
     # --- tenants ----------------------------------------------------------------------------
     tenants_file: str = _opt(
@@ -195,11 +195,9 @@ class OffloadConfig:
         "Per-tenant byte quotas per tier; '*' is the entry for tenants not named; empty: none.",
         "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE",
     )
-    max_pools_per_tenant: int = _opt(
-        64, "MAX_POOLS_PER_TENANT",
-        "Most pools (Attach + Register) a tenant holds at once (RESOURCE_EXHAUSTED beyond): each "
-        "holds a session connection, so one tenant can't take every session.", "1..4096",
-    )
+    max_pools_per_tenant: int = _opt(64, "MAX_POOLS_PER_TENANT", "Most pools (Attach + Register)"
+                                     " one tenant holds at once (RESOURCE_EXHAUSTED beyond).",
+                                     "1..4096")
     # --- event streams (server) ---------------------------------------------------------------
     max_watches: int = _opt(
         16, "MAX_WATCHES",
@@ -376,6 +374,7 @@ def _validate(c: OffloadConfig) -> None:
         ("lease_s", 0 <= c.lease_s <= 86400),
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("keepalive_s", 1 <= c.keepalive_s <= 3600),
+        ("calls_per_tenant", 4 <= c.calls_per_tenant <= 64),
         ("log_level", c.log_level in ("debug", "info", "warning", "error")),
         ("policy", bool(c.policy.strip())),
         ("max_pools_per_tenant", 1 <= c.max_pools_per_tenant <= 4096),

@@ -32,6 +32,7 @@ from .fdpass import FdExchange, descriptor_limit, session_paths
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
+from .turns import Turns
 from .watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -128,12 +129,13 @@ def create_server(
     if tenants is not None:
         log.info("tenant credentials checked on every call (%s)", config.tenants_file)
     server = grpc.aio.server(
-        interceptors=[Gate(TokenAuth(token), draining, observe, tenants)],
+        interceptors=[Gate(TokenAuth(token), draining, observe, tenants,
+                           Turns(config.calls_per_tenant))],
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0),
                  *peer_bounds(config.keepalive_s)],
     )
-    executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc")
+    executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
     lane = FastLane(engine, path, observe) if path is not None else None
@@ -155,6 +157,7 @@ def create_server(
 
 
 MAX_STREAMS = 256  # calls at once on one connection (each costs ~14 KB)
+WORKERS = 64  # threads running calls; one tenant runs at most CALLS_PER_TENANT at once
 
 
 def peer_bounds(keepalive_s: float) -> list[tuple[str, int]]:

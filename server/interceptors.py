@@ -17,6 +17,7 @@ Health Watch needs the token on TCP. Health calls are not counted in the RPC met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -26,6 +27,7 @@ import grpc
 from .auth import HEALTH_CHECK, HEALTH_PREFIX, TokenAuth
 from .credentials import TenantCredentials
 from .errors import status_for
+from .turns import Turns
 
 Observe = Callable[[str, str, float], None]  # (method, code name, seconds)
 
@@ -56,11 +58,12 @@ def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 class Gate(grpc.aio.ServerInterceptor):
     def __init__(self, auth: TokenAuth, draining: asyncio.Event, observe: Observe | None,
-                 tenants: TenantCredentials | None = None) -> None:
+                 tenants: TenantCredentials | None = None, turns: Turns | None = None) -> None:
         self._auth = auth
         self._draining = draining
         self._observe = observe
         self._tenants = tenants
+        self._turns = turns
 
     async def intercept_service(
         self,
@@ -96,6 +99,14 @@ class Gate(grpc.aio.ServerInterceptor):
             if refused is not None:
                 await ctx.abort(*status_for(refused))
 
+    def turn(self, method: str, req: Any) -> contextlib.AbstractAsyncContextManager[None]:
+        """The call's turn among its tenant's (``turns.py``); a WatchEvents stream, long and
+        idle, and a call naming no tenant take none."""
+        tenant = getattr(req, "tenant", "") or getattr(getattr(req, "pool", None), "tenant", "")
+        if self._turns is None or not tenant or method.endswith("/WatchEvents"):
+            return contextlib.nullcontext()
+        return self._turns.turn(tenant)
+
     def done(self, name: str, ctx: Any, start: float, failed: bool) -> None:
         if self._observe is None or not name:
             return
@@ -126,7 +137,8 @@ class _Call:
         try:
             req = await self._admitted(req, ctx)
             await self.gate.credentials(self.method, ctx, req)
-            result = await inner(req, ctx)
+            async with self.gate.turn(self.method, req):
+                result = await inner(req, ctx)
             failed = False
             return result
         finally:
@@ -137,12 +149,13 @@ class _Call:
         try:
             req = await self._admitted(req, ctx)
             await self.gate.credentials(self.method, ctx, req)
-            out = inner(req, ctx)
-            if hasattr(out, "__aiter__"):
-                async for item in out:
-                    yield item
-            else:
-                await out  # a coroutine that writes with ctx.write()
+            async with self.gate.turn(self.method, req):
+                out = inner(req, ctx)
+                if hasattr(out, "__aiter__"):
+                    async for item in out:
+                        yield item
+                else:
+                    await out  # a coroutine that writes with ctx.write()
             failed = False
         finally:
             self.gate.done(self.name, ctx, start, failed)
