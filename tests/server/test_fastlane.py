@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import time
+from typing import Any
 
 import torch
 from kvtier_daemon_fixture import Daemon
@@ -28,6 +29,21 @@ def raw(path: str, frame: bytes) -> bytes:
 
 def frame(op: int, pool_id: int, cap: bytes, ids: list[int]) -> bytes:
     return REQUEST.pack(op, len(ids), pool_id, cap) + struct.pack(f"<{len(ids)}Q", *ids)
+
+
+def lane_hits(c: Any) -> int:
+    """A new pool's five acquire + release rounds of resident pages: how many took the lane."""
+    mine = c.attach(4)
+    pages = c.allocate(mine, 2)
+    assert pages is not None and mine.fast_lane is not None
+    ids = [p for p, _ in pages]
+    c.release(mine, ids)
+    hits = mine.fast_lane.hits
+    for _ in range(5):
+        c.acquire(mine, ids)
+        c.release(mine, ids)
+    c.detach(mine)
+    return int(mine.fast_lane.hits - hits)
 
 
 def test_resident_acquire_and_release_take_the_fast_lane(daemon: Daemon) -> None:
@@ -191,17 +207,7 @@ def test_a_connection_flood_is_capped_and_others_are_still_served(daemon: Daemon
         # A new engine (its lane connection opened after the flood) still takes the lane: idle
         # connections that never sent a valid capability make way (they kept it off before).
         with daemon.client("lane-g") as g:
-            mine = g.attach(4)
-            pages = g.allocate(mine, 2)
-            assert pages is not None and mine.fast_lane is not None
-            ids = [p for p, _ in pages]
-            g.release(mine, ids)
-            hits = mine.fast_lane.hits
-            for _ in range(5):
-                g.acquire(mine, ids)
-                g.release(mine, ids)
-            assert mine.fast_lane.hits - hits == 10
-            g.detach(mine)
+            assert lane_hits(g) == 10
         for s in flood:
             s.close()
         deadline = time.monotonic() + 20
@@ -234,16 +240,7 @@ def test_one_tenants_many_lane_connections_make_way_for_another_tenant(daemon: D
             except OSError:
                 pass  # closed to make room for a newer connection
             flood.append(s)
-        mine = light.attach(4)
-        pages = light.allocate(mine, 2)
-        assert pages is not None and mine.fast_lane is not None
-        ids = [p for p, _ in pages]
-        light.release(mine, ids)
-        hits = mine.fast_lane.hits
-        for _ in range(5):
-            light.acquire(mine, ids)
-            light.release(mine, ids)
-        assert mine.fast_lane.hits - hits == 10
+        assert lane_hits(light) == 10
         for s in flood:
             s.close()
         assert heavy.stats().pinned_pages == 0
