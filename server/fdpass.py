@@ -239,16 +239,20 @@ class FdExchange:
             return (OK, got, -1) if got is not None else (REFUSED, bytes(TICKET_BYTES), -1)
         _close_all(fds)
         none = bytes(TICKET_BYTES)
-        pool = self.tickets.renewable(ticket, tenant) if op == RENEW else None
-        if pool is None and (op == RENEW or not self.tickets.redeemable(ticket, tenant)):
-            return DENIED, none, -1
-        if self._crowded(tenant, session):
-            return REFUSED, none, -1
-        if pool is not None:
+        if op == RENEW:
+            pool = self.tickets.renewable(ticket, tenant)
+            if pool is None:
+                return DENIED, none, -1
+            if self._crowded(tenant, session):
+                return REFUSED, none, -1
             if not self.leases.rebind(pool, session):
                 return DENIED, none, -1
             self._tenants[session] = tenant
             return OK, none, -1
+        if not self.tickets.redeemable(ticket, tenant):
+            return DENIED, none, -1
+        if self._crowded(tenant, session):
+            return REFUSED, none, -1
         redeemed = self.tickets.redeem(ticket, tenant)
         if redeemed is None:
             return DENIED, none, -1
