@@ -16,6 +16,10 @@ weights; ``--tiny``: a small fp32 model on CPU as a smoke test):
   (at the tiers' throughput the engine measured) beats recomputing them (at the prefill rate
   measured before the modes run) are loaded; the rest is prefilled. Each turn's choice (load,
   split, recompute) is reported, and whether this mode's TTFT ever exceeded recompute's.
+- ``kvtier-disk-waits``: ``kvtier-disk`` whose planned loads wait for every disk block they
+  planned (``ConversationStore(patient=False)``); ``kvtier-disk`` stops waiting once the plan's
+  ``patience`` runs out and recomputes the rest. ``--contend-every N`` makes every Nth turn's disk
+  busy with another reader (``multiturn_contend``): disk reads slower than the planner measured.
 - ``kvtier-cpu-overlap``: the stored prefix borrowed in place from the CPU tier and copied layer
   group by layer group on a copy stream (``ConversationStore.restore_layered``) while the
   staged prefill runs, each group's graph waiting for its own group's copy only
@@ -52,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from multiturn_contend import Contender
 from multiturn_modes import (
     HFOffloaded,
     KVTier,
@@ -96,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(the 'never above recompute' check then compares those pairs)")
     p.add_argument("--no-planner", action="store_true",
                    help="kvtier-disk loads every stored block (no cost-aware loads)")
+    p.add_argument("--contend-every", type=int, default=0,
+                   help="every Nth turn of the kvtier-disk modes, another reader keeps the disk "
+                        "busy from just before the turn (multiturn_contend; 0: never)")
+    p.add_argument("--contend-ms", type=float, default=300.0, help="how long each burst reads")
     p.add_argument("--step", type=int, default=128, help="graph bucket: suffix tokens")
     p.add_argument("--kv-step", type=int, default=None,
                    help="masked attention over multiples of this many positions (default: "
@@ -152,9 +161,11 @@ def timed_ttft(mode: Mode | GroupedKVTier, conv: int, prompt: list[int],
 
 
 def run_mode(mode: Mode | GroupedKVTier, trace: list, device: torch.device,
-             reference: Mode | None = None) -> list[Turn]:
+             reference: Mode | None = None, busy: Callable[[int], bool] | None = None,
+             contender: Contender | None = None, busy_s: float = 0.0) -> list[Turn]:
     """Every turn of ``trace`` through ``mode``; with ``reference`` (``--paired``), each turn's
-    prompt is also recomputed just before the mode's turn, under the same machine state."""
+    prompt is also recomputed just before the mode's turn, under the same machine state. Turns
+    where ``busy(turn)`` have ``contender`` read the disk from just before the timed turn on."""
     rows: list[Turn] = []
     history: list[list[int]] = [[] for _ in trace]
     for t in range(len(trace[0])):
@@ -162,9 +173,15 @@ def run_mode(mode: Mode | GroupedKVTier, trace: list, device: torch.device,
             user, reply = conv[t]
             prompt = history[c] + user
             ref = None if reference is None else timed_ttft(reference, c, prompt, device)[0]
+            reader = contender if busy is not None and busy(t) else None
+            if reader is not None:
+                reader.burst(busy_s)
             took, reused, tok = timed_ttft(mode, c, prompt, device)
+            if reader is not None:
+                reader.join()
+            choice = f"{mode.choice} (disk busy)" if reader is not None else mode.choice
             rows.append(Turn(mode.name, c, t, len(prompt), reused, took, tok, mode.restore_s,
-                             mode.choice, ref))
+                             choice, ref))
             mode.after(c, prompt, reply)
             history[c] = prompt + reply
     return rows
@@ -224,21 +241,26 @@ def make_modes(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.
     ctx_pages = args.max_context // args.block_size + 1
     roomy = page * ctx_pages * args.conversations * 2
     tight = page * ctx_pages  # one conversation: the others' prefixes live on disk
+    # Each disk mode a folder of its own: a disk tier outlives its engine, and the next mode
+    # would find every block of the trace already stored there.
     table: dict[str, Callable[[], Mode | GroupedKVTier]] = {
         "recompute": lambda: Recompute(model),
         "recompute-again": lambda: RecomputeAgain(model),
         "kvtier-cpu": lambda: KVTier("kvtier-cpu", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "kvtier-disk": lambda: planned(KVTier("kvtier-disk", model, engine_config(
-            args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
+            args, device, page, cpu_bytes=tight, disk_path=f"{disk_dir}/a", disk_bytes=roomy),
             args, dtype), prefill),
+        "kvtier-disk-waits": lambda: planned(KVTier("kvtier-disk-waits", model, engine_config(
+            args, device, page, cpu_bytes=tight, disk_path=f"{disk_dir}/b", disk_bytes=roomy),
+            args, dtype, patient=False), prefill),
         "kvtier-cpu-overlap": lambda: KVTierLayered("kvtier-cpu-overlap", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
         "kvtier-cpu-groupkeys": lambda: GroupedKVTier("kvtier-cpu-groupkeys", model,
             engine_config(args, device, page, cpu_bytes=roomy), args, race=False,
             user=user_tokens(args)),
         "kvtier-disk-race": lambda: GroupedKVTier("kvtier-disk-race", model, engine_config(
-            args, device, page, cpu_bytes=tight, disk_path=disk_dir, disk_bytes=roomy),
+            args, device, page, cpu_bytes=tight, disk_path=f"{disk_dir}/c", disk_bytes=roomy),
             args, race=True, user=user_tokens(args)),
         "kvtier-cpu-eager": lambda: KVTierEager("kvtier-cpu-eager", model, engine_config(
             args, device, page, cpu_bytes=roomy), args, dtype),
@@ -267,11 +289,15 @@ def main(argv: list[str] | None = None) -> int:
         if prefill is not None:
             meta["prefill"] = dict(tokens_per_s=prefill.tokens_per_s,
                                    attention_s=prefill.attention_s)
+        every = args.contend_every
+        contender = Contender(disk_dir) if every > 0 else None
+        busy = (lambda t: t % every == every - 1) if every > 0 else None
         for make in make_modes(args, model, device, dtype, disk_dir, prefill):
             mode = make()
             try:
                 ref = Recompute(model) if args.paired and mode.name != "recompute" else None
-                rows += run_mode(mode, trace, device, ref)
+                disky = contender if mode.name.startswith("kvtier-disk") else None
+                rows += run_mode(mode, trace, device, ref, busy, disky, args.contend_ms / 1000)
             except Exception as exc:  # a baseline that doesn't apply here is reported, not fatal
                 meta["skipped"][mode.name] = f"{type(exc).__name__}: {exc}"
             finally:
@@ -284,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if contender is not None:
+            meta["contender_read_gib"] = round(contender.read_bytes / GIB, 2)
+            contender.close()
     modes = list(dict.fromkeys(r.mode for r in rows))
     summary = summarize(rows, modes)
     meta["restored_from"] = {k: v for k, v in meta["restored_from"].items() if v}

@@ -77,13 +77,13 @@ class KVTierEager(Mode):
     """Restore the prefix into a ``DynamicCache``, prefill eagerly, store prompt + reply."""
 
     def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
-                 args: argparse.Namespace, dtype: torch.dtype) -> None:
+                 args: argparse.Namespace, dtype: torch.dtype, patient: bool = True) -> None:
         self.name, self.model = name, model
         self.engine = TierEngine(config)
         self.store = ConversationStore(
             self.engine, tenant="bench", model_config=model.config, dtype=dtype,
             device=model.device, block_size=args.block_size,
-            staging_slots=args.max_context // args.block_size + 1)
+            staging_slots=args.max_context // args.block_size + 1, patient=patient)
         self._cache: DynamicCache | None = None
 
     def ttft(self, conv: int, prompt: list[int]) -> tuple[int, int]:
@@ -113,8 +113,8 @@ class KVTier(KVTierEager):
     """Restore the prefix into a static KV buffer; prefill the rest from a captured CUDA graph."""
 
     def __init__(self, name: str, model: LlamaForCausalLM, config: OffloadConfig,
-                 args: argparse.Namespace, dtype: torch.dtype) -> None:
-        super().__init__(name, model, config, args, dtype)
+                 args: argparse.Namespace, dtype: torch.dtype, patient: bool = True) -> None:
+        super().__init__(name, model, config, args, dtype, patient)
         self.prefill = self.make_prefill(model, args)
         # Capture the graphs of every (block-aligned prefix, suffix bucket) the trace can hit
         # before timing: capturing is a start-up cost, not a per-turn one.
@@ -159,6 +159,8 @@ class KVTier(KVTierEager):
         self.restore_s = time.perf_counter() - start
         plan = self.store.last_plan
         self.choice = plan.choice if plan is not None else ""
+        if self.store.last_cut:  # the wait for disk blocks ran out: fewer loaded than planned
+            self.choice += " cut"
         if plan is not None and self.planner is not None:
             self.planner.observe(plan, self.restore_s)  # what a load costs beyond the bytes
         if len(prompt) - n <= self.graph_suffix:

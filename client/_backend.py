@@ -72,7 +72,8 @@ class Backend:
         raise NotImplementedError
 
     def borrow(self, handle: Any, keys: Sequence[bytes],
-               plan: Callable[[list[Tier]], int] | None = None) -> Any | None:
+               plan: Callable[[list[Tier]], int] | None = None,
+               patience: Callable[[int], float] | None = None) -> Any | None:
         """The stored prefix's pages lent in place (``kvtier.prefix.borrow.Borrowed``), or None
         where the pages live in another process (a daemon): then ``load`` copies them."""
         return None
@@ -120,8 +121,9 @@ class EngineBackend(Backend):
         return self.engine.load_layers(handle.pool_id, keys, slots, bounds)
 
     def borrow(self, handle: Any, keys: Sequence[bytes],
-               plan: Callable[[list[Tier]], int] | None = None) -> Any | None:
-        return self.engine.borrow(handle.pool_id, keys, plan)
+               plan: Callable[[list[Tier]], int] | None = None,
+               patience: Callable[[int], float] | None = None) -> Any | None:
+        return self.engine.borrow(handle.pool_id, keys, plan, patience)
 
 
 class ClientBackend(Backend):

@@ -335,8 +335,9 @@ class TierEngine:
         return load_layers(self.prefix, pool_id, keys, slots, bounds)
 
     def borrow(self, pool_id: PoolId, keys: Sequence[bytes],
-               plan: Callable[[list[Tier]], int] | None = None) -> Borrowed:
-        return borrow(self.prefix, pool_id, keys, plan)
+               plan: Callable[[list[Tier]], int] | None = None,
+               patience: Callable[[int], float] | None = None) -> Borrowed:
+        return borrow(self.prefix, pool_id, keys, plan, patience)
 
     # -- operations -----------------------------------------------------------------------------
     def drain_restore_latencies(self) -> list[float]:

@@ -116,6 +116,7 @@ class PrefillModel:
 
 
 OVERHEAD_WEIGHT = 0.5  # of the newest observed load in ``LoadPlanner.overhead_s``
+LATE = 1.5  # a block not in the CPU tier by this many times its modelled time is late
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,20 @@ class Plan:
     overhead_s: float = 0.0  # the fixed cost of a load counted in ``load_s`` (when load > 0)
     below: int = 0  # of the blocks loaded, those read from below the CPU tier (disk, remote)
     below_s: float = 0.0  # the learnt extra seconds per such block counted in ``load_s``
+    ready: tuple[float, ...] = ()  # modelled seconds after the load began that block j+1 is in
+    worth: tuple[float, ...] = ()  # seconds saved by lending j leading blocks (j = 0..load)
+
+    def patience(self, landed: int) -> float:
+        """How long after the load began it still pays to wait for more of its blocks, with the
+        first ``landed`` of them already in the CPU tier: as long as stopping then and
+        recomputing the rest costs no more than recomputing them all (``worth``), or the next
+        block is not yet late (``LATE`` times its modelled time, ``ready``). A disk read slower
+        than anything seen costs at most that one block's lateness beyond the recompute."""
+        if landed >= self.load:
+            return math.inf
+        worth = self.worth[landed] if landed < len(self.worth) else 0.0
+        due = LATE * self.ready[landed] if landed < len(self.ready) else 0.0
+        return max(worth, due)
 
     @property
     def choice(self) -> str:
@@ -170,6 +185,7 @@ def plan(
     cpu, tps, att = int(Tier.CPU), prefill.tokens_per_s, prefill.attention_s
     sq, summed, n_below, end = total_tokens * total_tokens, 0.0, 0, start
     best = (recompute, 0, 0.0, 0)  # (total seconds, blocks, load seconds, blocks below CPU)
+    ready: list[float] = []
     for code in map(int, tiers):
         step = per_block.get(code)
         if step is None:
@@ -182,14 +198,30 @@ def plan(
         summed += step
         end += block_tokens
         load_s = overhead_s + summed
+        ready.append(load_s)
         total = load_s  # + the prefill of what follows (``PrefillModel.seconds``, inlined)
         if end < total_tokens:
             total += (total_tokens - end) / tps + att * ((sq - end * end) / 2)
         if total <= best[0]:  # ties go to loading more
             best = (total, end // block_tokens - first, load_s, n_below)
     total, k, loaded, below = best
+    cpu_cost = costs.get(Tier.CPU)
+    worth = _worth(prefill, start, block_tokens, k,
+                   (block_bytes / cpu_cost.bytes_per_s, cpu_cost.latency_s) if cpu_cost else None)
     return Plan(k, len(tiers), loaded, total - loaded, recompute, overhead_s if k else 0.0,
-                below, below_s)
+                below, below_s, tuple(ready[:k]), worth)
+
+
+def _worth(prefill: PrefillModel, start: int, block_tokens: int, k: int,
+           cpu: tuple[float, float] | None) -> tuple[float, ...]:
+    """Seconds saved by lending ``j`` leading blocks from the CPU tier (``j = 0..k``) against
+    recomputing them: their prefill less their copy (``cpu``: seconds a block, latency);
+    nothing where the CPU tier has no cost (never loaded from)."""
+    if cpu is None:
+        return (0.0,) * (k + 1)
+    step, latency = cpu
+    return tuple(prefill.seconds(start, start + j * block_tokens) - (j * step + latency) * (j > 0)
+                 for j in range(k + 1))
 
 
 @dataclass(slots=True)

@@ -369,3 +369,51 @@ def test_plan_is_the_cheapest_of_the_block_by_block_totals(
     assert got.load_s + got.compute_s == pytest.approx(min(totals), rel=1e-9, abs=1e-15)
     assert totals[got.load] == pytest.approx(min(totals), rel=1e-9, abs=1e-15)
     assert got.recompute_s == totals[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_cpu=st.integers(0, 6),
+    n_disk=st.integers(0, 6),
+    extra=st.integers(1, 200),
+    attention=st.floats(0, 1e-7),
+)
+def test_stopping_when_patience_runs_out_costs_no_more_than_recompute_or_one_late_block(
+    n_cpu: int, n_disk: int, extra: int, attention: float
+) -> None:
+    # Disk blocks cheaper than their recompute late in a long context, so plans load them.
+    prefill = PrefillModel(16_000, attention)
+    costs = {Tier.CPU: FAST, Tier.DISK: TierCost(2e9, 1e-3)}
+    tiers = [Tier.CPU] * n_cpu + [Tier.DISK] * n_disk
+    total = len(tiers) * BT + extra
+    p = plan(tiers, block_tokens=BT, block_bytes=BB, total_tokens=total, costs=costs,
+             prefill=prefill)
+    assert len(p.ready) == p.load and len(p.worth) == p.load + 1
+    assert p.patience(p.load) == float("inf")  # all landed: nothing left to wait for
+    for j in range(p.load):
+        # Stopped at ``patience(j)`` with j blocks in the CPU tier: their copy, then the
+        # prefill of the rest over them.
+        copy = (FAST.latency_s + j * BB / FAST.bytes_per_s) if j else 0.0
+        stopped = p.patience(j) + copy + prefill.seconds(j * BT, total)
+        late = max(0.0, 1.5 * p.ready[j] - p.worth[j])  # the next block's lateness allowed
+        assert stopped <= p.recompute_s + late + 1e-12
+        assert stopped >= p.recompute_s - 1e-12  # and it never gives up while loading pays
+        assert p.ready[j] >= (p.ready[j - 1] if j else 0.0)
+
+
+def test_patience_waits_for_a_block_on_time_and_gives_up_on_a_late_one() -> None:
+    tiers = [Tier.CPU] * 4 + [Tier.DISK] * 4
+    costs = {Tier.CPU: FAST, Tier.DISK: TierCost(4e9, 1e-3)}
+    total = 8 * BT + 400  # the disk blocks save their share of a long context's attention
+    p = plan(tiers, block_tokens=BT, block_bytes=BB, total_tokens=total, costs=costs,
+             prefill=PrefillModel(16_000, 2e-7))
+    assert p.load == 8
+    # Four blocks lent at once from the CPU tier: waiting is worth their recompute, less copy.
+    assert p.patience(4) == pytest.approx(max(p.worth[4], 1.5 * p.ready[4]))
+    assert p.worth[4] == pytest.approx(PrefillModel(16_000, 2e-7).seconds(0, 4 * BT)
+                                       - FAST.latency_s - 4 * BB / FAST.bytes_per_s)
+    # Nothing landed yet: only as long as the first block is not late.
+    assert p.patience(0) == pytest.approx(1.5 * p.ready[0])
+    none = plan([Tier.DISK] * 2, block_tokens=BT, block_bytes=BB, total_tokens=2 * BT + 1,
+                costs={Tier.DISK: SLOW}, prefill=PREFILL)
+    assert none.load == 0 and none.patience(0) == float("inf")

@@ -6,16 +6,19 @@ integration copies a prefix layer group by layer group into a static KV buffer, 
 of group ``g`` can start while group ``g + 1`` is still on the link) borrows the pages instead.
 
 Contract:
-    * ``borrow(prefix, pool_id, keys, plan=None) -> Borrowed``: the longest stored prefix of
-      ``keys`` (the pool's tenant and page size, as ``load`` would find it; local tiers only),
-      with at most half the CPU tier (and the tenant's CPU quota) of it below the CPU tier at
-      once (blocks already there need no room), brought to the CPU tier
+    * ``borrow(prefix, pool_id, keys, plan=None, patience=None) -> Borrowed``: the longest
+      stored prefix of ``keys`` (the pool's tenant and page size, as ``load`` would find it;
+      local tiers only), with at most half the CPU tier (and the tenant's CPU quota) of it
+      below the CPU tier at once (blocks already there need no room), brought to the CPU tier
       (disk blocks are read and checked first) and protected there: no page of it is evicted,
       demoted or rewritten until ``release()``. Counted as a load (hits, the eviction policy's
       touch). ``plan(tiers) -> n`` (called once, with the engine lock held: quick, no waiting)
       sees where each stored block is at that moment (a page on its way to disk counts as
       disk) and keeps only the first ``n``: what it was told is what is borrowed, with no
-      demotion in between.
+      demotion in between. ``patience(landed) -> seconds`` (``kvtier.planner.Plan.patience``)
+      bounds the wait for blocks below the CPU tier: once it has run out for the ``landed``
+      leading blocks already there, those are lent and the rest is not (``prefix/resident.py``).
+      ``Borrowed.cut``: fewer blocks were lent than planned (that, or the rest got no room).
     * ``Borrowed.views``: one ``uint8`` view of ``page_size`` bytes per block, in key order, of
       pinned (page-locked, device-mapped) host memory where CUDA is present (``pinned``): an
       asynchronous copy from it is a DMA. ``tiers``: where each block was when it was borrowed.
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.prefix.resident import Patience
 from kvtier.prefix.salt import salt_keys
 from kvtier.prefix.shared import Held, offer
 from kvtier.types import PoolId, Tier
@@ -61,6 +65,7 @@ class Borrowed:
     views: list[torch.Tensor]
     tiers: list[Tier]
     pinned: bool
+    cut: bool = False  # fewer lent than planned: the rest got no room, or patience ran out
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -79,7 +84,7 @@ class Borrowed:
 
 
 def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
-           plan: Plan | None = None) -> Borrowed:
+           plan: Plan | None = None, patience: Patience | None = None) -> Borrowed:
     keys = check_keys("keys", keys)
     keys = keys[: first_repeat(keys)]  # a prefix ends at a repeated key (``unrepeated``)
     core = prefix.core
@@ -92,7 +97,7 @@ def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
         n = len(stored) if plan is None else max(0, min(len(stored), int(plan(tiers))))
         if n == 0:  # nothing lent (a plan to recompute): nothing to protect, touch or count
             return Borrowed([], [], True)
-        rows = prefix.resident_prefix(pool, salted[:n])
+        rows = prefix.resident_prefix(pool, salted[:n], patience=patience)
         try:
             slots = core.table.slot[rows].tolist()
             views = core.host.rows(pool.page_size, slots)
@@ -107,5 +112,6 @@ def borrow(prefix: PrefixStore, pool_id: PoolId, keys: Sequence[bytes],
         with core.cond:
             core.unprotect(rows)
 
-    return Borrowed(views, tiers[: len(rows)], pinned, release if len(rows) else None)
+    done = release if len(rows) else None
+    return Borrowed(views, tiers[: len(rows)], pinned, len(rows) < n, done)
 

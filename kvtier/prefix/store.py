@@ -35,6 +35,7 @@ from kvtier.errors import (
 from kvtier.loan import PAUSE_S, LaneLoan
 from kvtier.prefix.chunks import chunk_sizes
 from kvtier.prefix.copies import Copies, done, succeeded
+from kvtier.prefix.resident import Patience, resident
 from kvtier.prefix.salt import Salted, salt_key, salt_keys
 from kvtier.prefix.shared import Held, Staged, Stager, hold, land, offer, unstage
 from kvtier.state.pool import Pool
@@ -361,61 +362,13 @@ class PrefixStore:
         return copies.submit(self._core, urgent=True)
 
     def resident_prefix(
-        self, pool: Pool, salted: list[bytes], loan: LaneLoan | None = None
+        self, pool: Pool, salted: list[bytes], loan: LaneLoan | None = None,
+        patience: Patience | None = None,
     ) -> np.ndarray:
-        """Rows of the longest stored prefix of ``salted`` (keys salted for ``pool``'s tenant),
-        brought to the CPU tier and returned protected (a ``loan`` is given back before
-        waiting for disk reads).
-
-        Pages already in CPU are protected as soon as they are seen, so bringing the rest up
-        from disk can't push them back down. When the blocks below get no slot in the CPU tier
-        and nothing under way will free one (``_stuck``), it is the leading part already there.
-        """
-        core, t = self._core, self._core.table
-        deadline = time.monotonic() + core.config.restore_timeout_s
-        held: set[int] = set()
-        rows = self.prefix(pool, salted)
-        if t.at(rows, Tier.CPU).all():  # the common case: the whole prefix in the CPU tier
-            core.protect(rows)
-            return rows
-        if loan is not None:
-            loan.give_back()
-        try:
-            while True:
-                rows = self.prefix(pool, salted)
-                on_cpu = t.at(rows, Tier.CPU)
-                fresh = [r for r in rows[on_cpu].tolist() if r not in held]
-                if fresh:
-                    core.protect(np.array(fresh, dtype=np.int64))
-                    held.update(fresh)
-                if on_cpu.all():
-                    stale = held.difference(rows.tolist())
-                    core.unprotect(np.array(sorted(stale), dtype=np.int64))
-                    return rows
-                on_disk, down = rows[t.below_cpu(rows)], rows[t.moving_down(rows)]
-                if len(on_disk):
-                    core.starts.restore_below(on_disk)
-                core.cancel(down)
-                if self._stuck(rows):  # no room will come: the part already in the CPU tier
-                    lead = rows[: int(np.argmin(t.at(rows, Tier.CPU)))]
-                    core.unprotect(np.array(sorted(held.difference(lead.tolist())),
-                                            dtype=np.int64))
-                    return lead
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded("load: restoring stored blocks from disk timed out")
-                core.cond.wait(0.05)
-        except BaseException:
-            core.unprotect(np.array(sorted(held), dtype=np.int64))
-            raise
-
-    def _stuck(self, rows: np.ndarray) -> bool:
-        """No block of ``rows`` on its way up and no transfer under way: the blocks below the
-        CPU tier got no slot there (every page in it is protected, or its tenant within its
-        quota), and nothing running will free one."""
-        core = self._core
-        restores, offloads = core.scheduler.depth()
-        return not (core.table.moving(rows).any() or restores or offloads
-                    or core.scheduler.inflight_bytes)
+        """Rows of the longest stored prefix of ``salted``, brought to the CPU tier and returned
+        protected (``kvtier/prefix/resident.py``: a leading part when the rest can't come, or
+        by ``patience`` does not pay to wait for)."""
+        return resident(self, pool, salted, loan, patience)
 
     def _read_ahead(self, pool: Pool, salted: list[bytes]) -> bool:
         """Queue the disk reads of every stored block of ``salted`` at once, so the disk lane

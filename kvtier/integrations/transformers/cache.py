@@ -11,7 +11,9 @@
   preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer (a static cache, e.g.
   ``static``'s) in one copy; returns how many tokens. With a ``kvtier.planner.LoadPlanner``
   only the leading stored blocks that are cheaper to load than to recompute are loaded
-  (``last_plan`` says what was chosen).
+  (``last_plan`` says what was chosen); with an in-process engine, blocks below the CPU tier are
+  waited for only while the plan's ``patience`` lasts (``last_cut``: fewer were loaded;
+  ``patient=False``: until they come).
 - ``save(cache, token_ids) -> int``: after a turn, store the full blocks of ``token_ids`` whose KV
   the cache (a ``DynamicCache`` or such a buffer) holds and kvtier lacks; returns how many blocks
   it stored.
@@ -36,6 +38,7 @@ full-attention layers only.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -83,7 +86,7 @@ class ConversationStore:
     def __init__(self, target: Any, *, model_config: Any, dtype: torch.dtype,
                  device: torch.device | str, tenant: str | None = None, block_size: int = 256,
                  staging_slots: int = 32, model_id: str = "", keep_on_gpu: bool = False,
-                 gpu_slots: int = 64, layers: range | None = None) -> None:
+                 gpu_slots: int = 64, layers: range | None = None, patient: bool = True) -> None:
         self.layout = KVLayout.of(model_config, block_size, dtype)
         self.layers = range(self.layout.layers) if layers is None else layers
         self._group = layers is not None
@@ -105,6 +108,8 @@ class ConversationStore:
         self._staged: torch.cuda.Event | None = None  # recorded after the last read of staging
         self._pool: PoolPages | None = None
         self.last_plan: Plan | None = None  # the planner's choice in the last restore_into
+        self.last_cut = False  # that restore lent fewer blocks than planned (see restore_layered)
+        self._patient = patient  # planned loads wait for blocks below the CPU only while it pays
         self._copier: GroupCopier | None = None  # copies of borrowed pages (in-process engines)
         self._lending = isinstance(self.backend, EngineBackend)
         try:
@@ -208,7 +213,7 @@ class ConversationStore:
         self._check_kv(kv)
         bs = self.layout.block_size
         keys = self._restorable_keys(token_ids)[: kv.shape[3] // bs]
-        self.last_plan = None
+        self.last_plan, self.last_cut = None, False
         cut: _Cut | None = None
         if planner is not None:
             cut = lambda tiers, first: self._plan(planner, tiers, first, len(token_ids))  # noqa: E731
@@ -233,13 +238,15 @@ class ConversationStore:
             return LayeredRestore.done(self.restore_into(kv, token_ids, planner=planner))
         self._check_kv(kv)
         keys = self._restorable_keys(token_ids)[: kv.shape[3] // self.layout.block_size]
-        self.last_plan = None
+        self.last_plan, self.last_cut = None, False
         cut = None  # planned on the tiers the engine lends from (no demotion in between)
         if planner is not None:
             cut = lambda tiers: self._plan(planner, tiers, 0, len(token_ids))  # noqa: E731
-        held = self.backend.borrow(self._staging.handle, keys, cut) if keys else None
+        handle = self._staging.handle
+        held = self.backend.borrow(handle, keys, cut, self._patience) if keys else None
         if held is None:
             return LayeredRestore.done(0)
+        self.last_cut = held.cut
         if self._copier is None:
             self._copier = GroupCopier(self.layout, self.device)
         restore = self._copier.start(kv, held.views, bounds, held.release)
@@ -261,6 +268,13 @@ class ConversationStore:
                 f"kv: need [layers={lay.layers}, 2, kv_heads={lay.kv_heads}, capacity, "
                 f"head_dim={lay.head_dim}] of {lay.dtype} on {self.device}, got "
                 f"{list(kv.shape)} of {kv.dtype} on {kv.device}")
+
+    def _patience(self, landed: int) -> float:
+        """How long a planned load may wait for its blocks below the CPU tier (the plan's
+        ``patience``: stopped short, the rest is recomputed at no more than a late block's cost);
+        without a plan, until they come."""
+        plan = self.last_plan
+        return math.inf if plan is None or not self._patient else plan.patience(landed)
 
     def _plan(self, planner: LoadPlanner, tiers: list[Tier], first: int, total: int) -> int:
         self.last_plan = planner(tiers, total, first)
