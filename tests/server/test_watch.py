@@ -90,7 +90,9 @@ def test_idle_streams_hold_no_thread_and_others_are_served(
         for _ in range(40):
             assert c.stats().instance
         after = threads_of(daemon.proc.pid)
-        assert after - before < 8, (before, after)  # not a thread (or a pool slot) per stream
+        # Not a thread (or a pool slot) per stream: 64 streams would add 64. The worker pool
+        # itself grows with the concurrent calls above (+5 to +8 seen), so the bound is loose.
+        assert after - before < 24, (before, after)
         assert not any(s.done() for s in streams)
         for s in streams:
             s.cancel()
