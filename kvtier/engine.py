@@ -148,8 +148,10 @@ class TierEngine:
         core = self._core
         with core.cond:
             pool = self._pool(pool_id)
+            pool.detaching = True  # no new store or load through it (NotFound)
             self._free_rows(core.table.of_pool(pool_id))
-            while pool.moving_down or len(core.table.of_pool(pool_id)):
+            # Its pages' moves and the keyed copies through its memory end before it is closed.
+            while pool.moving_down or len(core.table.of_pool(pool_id)) or pool.dev.copying:
                 core.cond.wait(0.05)
             del core.pools[pool_id]
             pool.dev.close()

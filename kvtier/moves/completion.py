@@ -70,6 +70,8 @@ class Completion:
         if batch.direction is Direction.CPU_TO_GPU:
             self._landings.end(end - start)
         frees.apply(self._place)
+        if batch.copy and batch.pool is not None:
+            batch.pool.copying -= end - start  # a detach waits for the pool's copies
         if end >= n:  # the last chunk also counts the batch
             self._count(batch, results, seconds)
             self._count_tenants(batch, results)

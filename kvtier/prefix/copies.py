@@ -52,6 +52,7 @@ class Copies:
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
         self.sent.append((batch, rows))
+        pool.dev.copying += len(rows)  # until completed: a detach waits for them
         if self.loan is not None and self.loan.launch(batch):
             return [batch]
         core.scheduler.submit([batch])

@@ -116,6 +116,7 @@ def _copy_group(
     batch.copy, batch.urgent, batch.results = True, True, [None] * len(rows)
     with core.cond:
         prefix.pool(pool.pool_id)  # still attached (NotFound if detached meanwhile)
+        pool.dev.copying += len(rows)  # until completed: a detach waits for them
         core.scheduler.submit([batch])
         prefix.wait([batch])
     results = batch.results or []

@@ -57,7 +57,7 @@ class PrefixStore:
         if self._core.closed:
             raise Unavailable("the engine is shut down")
         pool = self._core.pools.get(pool_id)
-        if pool is None:
+        if pool is None or pool.detaching:
             raise NotFound(f"pool {pool_id} not found")
         return pool
 

@@ -27,6 +27,7 @@ class Pool:
     pinned: int = 0
     slot_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     moving_down: int = 0  # offloads in flight: slots that will come free
+    detaching: bool = False  # being detached: no new keyed store or load through it
 
     def __post_init__(self) -> None:
         self.slot_rows = np.full(self.dev.num_slots, -1, dtype=np.int64)

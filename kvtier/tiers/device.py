@@ -58,6 +58,10 @@ class DevicePool:
         self.device = str(segments[0].device)
         self.fd = fd  # CPU mode: the pool's sealed memfd, closed by close()
         self.owned = owned
+        # Keyed copy columns (stores, loads) queued or in flight through this memory; changed
+        # under the engine lock. A detach waits for 0 before ``close``: a copy out of closed
+        # memory would store whatever its CPU slot held before (another tenant's bytes).
+        self.copying = 0
         self._is_free = np.ones(self.num_slots, dtype=np.bool_)
         self._num_free = self.num_slots
         self._hint = 0  # no slot below this is free

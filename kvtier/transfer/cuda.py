@@ -158,6 +158,9 @@ class _CudaHandler(TransferHandler):
         return self.launch(batch)()
 
     def launch(self, batch: Moves) -> Callable[[], list[bool]]:
+        if batch.pool is not None and batch.pool.closed:  # detached: nothing to copy
+            failed = [False] * len(batch)
+            return Queued(lambda: failed, lambda: True)
         self._staging = self._buffers[self._turn]
         done = self._done[self._turn]
         # Streams are switched with ``set_stream`` and the caller's put back at the end: the

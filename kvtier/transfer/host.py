@@ -33,6 +33,8 @@ class _HostCopy(TransferHandler):
     def run(self, batch: Moves) -> list[bool]:
         pool = batch.pool
         assert pool is not None, "GPU<->CPU batch without a pool"
+        if pool.closed:  # detached: nothing to copy from or to (never "copied")
+            return [False] * len(batch)
         restore = self.direction is Direction.CPU_TO_GPU
         rows, host = (batch.dsts, batch.srcs) if restore else (batch.srcs, batch.dsts)
         idx = torch.from_numpy(rows)
