@@ -131,7 +131,8 @@ class TierEngine:
         with self._core.cond:
             self._core_open()
             try:
-                admit_pool(self._core, tenant, dev.num_slots * dev.page_size, external=True)
+                admit_pool(self._core, tenant, dev.num_slots * dev.page_size, external=True,
+                           mappings=dev.mappings)
             except CapacityError:
                 dev.close()
                 raise

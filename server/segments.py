@@ -57,10 +57,13 @@ def _check_kind(seg: Any, field: str, device: str) -> None:
 
 def _open_memfds(segments: Sequence[Any], tenant: str, tickets: Tickets
                  ) -> tuple[list[torch.Tensor], int | None]:
-    """Each distinct ticket is taken once; every descriptor taken is closed before returning."""
+    """Each distinct ticket is taken, checked and mapped once (as far as its segments reach:
+    one memory mapping per memfd, however many segments view it); every descriptor taken is
+    closed before returning, and nothing stays mapped on an error."""
     taken: dict[bytes, tuple[int, int]] = {}
+    reach: dict[bytes, tuple[int, str]] = {}  # ticket -> bytes its segments need, first field
+    flats: dict[bytes, torch.Tensor] = {}
     try:
-        views = []
         for i, seg in enumerate(segments):
             field = f"segments[{i}].memfd_ticket"
             if seg.memfd_ticket not in taken:
@@ -69,17 +72,20 @@ def _open_memfds(segments: Sequence[Any], tenant: str, tickets: Tickets
                     raise FailedPrecondition(
                         f"{field}: unknown, used, expired or another tenant's ticket")
                 taken[seg.memfd_ticket] = got
-            fd = taken[seg.memfd_ticket][0]
             need = sharing.extent(seg.num_slots, seg.slot_bytes, seg.slot_stride, seg.offset)
-            memfd.check(fd, need, field)
+            memfd.check(taken[seg.memfd_ticket][0], need, field)
+            most, _ = reach.get(seg.memfd_ticket, (0, field))
+            reach[seg.memfd_ticket] = (max(most, need), field)
+        for ticket, (need, field) in reach.items():
             try:
-                flat = memfd.map_shared(fd, need)
+                flats[ticket] = memfd.map_shared(taken[ticket][0], need)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise FailedPrecondition(f"{field}: cannot map ({exc})") from None
-            views.append(sharing.rows(flat, seg.num_slots, seg.slot_bytes, seg.slot_stride,
-                                  seg.offset))
+        views = [sharing.rows(flats[seg.memfd_ticket], seg.num_slots, seg.slot_bytes,
+                              seg.slot_stride, seg.offset) for seg in segments]
         return views, next(iter(taken.values()))[1]
     finally:
+        flats.clear()  # the views hold what they need; an error's frames hold no mapping
         for fd, _ in taken.values():
             os.close(fd)
 

@@ -126,7 +126,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             prio = validate.default_priority(req.default_priority)
             tickets = None if self._sessions is None else self._sessions.tickets
             views, session = open_segments(req.segments, self._device, tenant, tickets)
-            pool = self._engine.register(tenant, views, default_priority=prio)
+            try:
+                pool = self._engine.register(tenant, views, default_priority=prio)
+            finally:
+                views.clear()  # the pool keeps its own; a refused one leaves nothing mapped
             reply = convert.attach_reply(pool, self._tenancy.instance, registered=True)
             self._lease(reply, tenant, int(pool.pool_id), -1, session)
             return reply

@@ -4,7 +4,8 @@ Contract (both run with the engine lock held):
     * ``admit_pool(core, tenant, nbytes)`` raises ``CapacityError`` when a new pool of
       ``nbytes`` does not fit the tenant's GPU quota (the message names the tenant's quota and
       its own use) or the daemon's GPU pool budget (the message names no other tenant's use
-      and no free bytes: how full the daemon is belongs to the global view).
+      and no free bytes: how full the daemon is belongs to the global view), or its memory
+      mappings (``mappings=``) the tenant's quarter of ``mapping_budget()`` or the budget.
     * ``tenant_stats(core, tenant)`` is the tenant's own snapshot: its pools, its pages and bytes
       per tier (capacity: its quota, else the tier's size), its pinned and keyed pages, its
       moves, hits, misses, evictions and drops, and each direction's measured cost
@@ -20,6 +21,7 @@ global view (credentials on).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,16 +33,20 @@ from kvtier.types import Tier
 
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
+    from kvtier.state.pool import Pool
 
 
-def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool) -> None:
+def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool,
+               mappings: int = 1) -> None:
     """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota, the tenant's pool count
-    (``max_pools_per_tenant``) or the budget."""
+    (``max_pools_per_tenant``), its share of the daemon's memory mappings (``mappings``: the
+    pool's own) or the budget."""
     pools = [p for p in core.pools.values() if p.tenant == tenant]
     most = core.config.max_pools_per_tenant
     if len(pools) >= most:
         raise CapacityError(f"tenant {tenant!r} holds {len(pools)} pools, the most one tenant may "
                             f"(KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT={most}); detach one first")
+    _admit_mappings(core, pools, mappings)
     mine = sum(p.num_slots * p.page_size for p in pools)
     limit = core.ledger.quota(tenant).gpu
     if limit is not None and mine + nbytes > limit:
@@ -53,6 +59,29 @@ def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool) ->
     used = sum(p.num_slots * p.page_size for p in core.pools.values() if not p.external)
     if used + nbytes > core.config.gpu_budget_bytes:
         raise CapacityError(f"num_slots: a pool of {nbytes} B does not fit the GPU pool budget")
+
+
+def mapping_budget() -> int:
+    """Memory mappings the daemon's pools may hold in all: half the kernel's per-process limit
+    (``vm.max_map_count``), the rest kept for the daemon's own (tiers, libraries, threads)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65530  # Linux's default
+    return max(1024, limit // 2)
+
+
+def _admit_mappings(core: EngineCore, mine: list[Pool], new: int) -> None:
+    """A tenant's pools hold at most a quarter of ``mapping_budget`` (registered memory is
+    mapped per distinct memfd or IPC handle: one client's thousands of segments must not use up
+    the map count, failing every other tenant's Attach and Register), the daemon's at most all."""
+    budget = mapping_budget()
+    held = sum(p.dev.mappings for p in mine)
+    if held + new > budget // 4:
+        raise CapacityError(f"segments: {new} more memory mappings would exceed the tenant's "
+                            f"share ({held} of {budget // 4} held); use fewer separate buffers")
+    if sum(p.dev.mappings for p in core.pools.values()) + new > budget:
+        raise CapacityError("segments: the daemon holds all the memory mappings it may")
 
 
 def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:

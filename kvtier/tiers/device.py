@@ -35,7 +35,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
 from kvtier.tiers import memfd, sharing
 from kvtier.tiers.base import PoolHandle
 from kvtier.tiers.runs import as_slots, ascending
@@ -62,6 +62,9 @@ class DevicePool:
         # under the engine lock. A detach waits for 0 before ``close``: a copy out of closed
         # memory would store whatever its CPU slot held before (another tenant's bytes).
         self.copying = 0
+        # Separate memory mappings behind the segments (views of one mapping share it): what
+        # the pool costs of the process's map count (``vm.max_map_count``).
+        self.mappings = len({s.untyped_storage().data_ptr() for s in segments})
         self._is_free = np.ones(self.num_slots, dtype=np.bool_)
         self._num_free = self.num_slots
         self._hint = 0  # no slot below this is free
@@ -77,12 +80,15 @@ class DevicePool:
         if page_size <= 0:
             raise InvalidArgument("page_size", f"must be > 0, got {page_size}")
         if device == "cpu":
-            fd = memfd.create(num_slots * page_size, "kvtier-pool")
+            try:
+                fd = memfd.create(num_slots * page_size, "kvtier-pool")
+            except OSError as exc:
+                raise CapacityError(f"num_slots: cannot make the pool's memory ({exc})") from None
             try:
                 flat = memfd.map_shared(fd, num_slots * page_size)
-            except (OSError, ValueError, RuntimeError):
+            except (OSError, ValueError, RuntimeError) as exc:
                 os.close(fd)
-                raise
+                raise CapacityError(f"num_slots: cannot map the pool's memory ({exc})") from None
             return cls([flat.view(num_slots, page_size)], fd=fd, owned=True)
         if not device.startswith("cuda"):
             raise InvalidArgument("device", f"expected 'cpu' or 'cuda:N', got {device!r}")

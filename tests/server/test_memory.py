@@ -268,3 +268,28 @@ def test_tcp_clients_get_no_cpu_mode_memory(spawn: Callable[..., Daemon], tmp_pa
         assert local.stats().pools == 0  # refused before a pool was made
         att = local.attach(SLOTS)
         assert att.tensor is not None and local.allocate(att, 1) is not None
+
+
+def _maps(d: Daemon) -> int:
+    return len(Path(f"/proc/{d.proc.pid}/maps").read_text().splitlines())
+
+
+def test_segments_of_one_memfd_cost_the_daemon_one_mapping(
+        spawn: Callable[..., Daemon]) -> None:
+    """Each registered segment was its own memory mapping: 15 Registers of 4,096 tiny segments
+    of one memfd (1 MiB in all) took the daemon to the kernel's map count, and every other
+    tenant's Register and Attach failed (the Attach with INTERNAL and a traceback). Now a memfd
+    is mapped once per Register, however many segments view it."""
+    d = spawn()
+    mem = SharedMemory(4096 * 4 * 64)
+    flat = mem.tensor
+    segs = [flat[i * 256 : (i + 1) * 256].view(4, 64) for i in range(4096)]
+    with d.client("hog") as hog, d.client("other") as other:
+        before = _maps(d)
+        for i in range(4):
+            flat.fill_(i)
+            att = hog.register(segs, fds=[mem.fd] * len(segs))
+            assert hog.store(att, [b"k%d" % i], [3]) == 1
+        assert _maps(d) - before < 64, (before, _maps(d))  # was 4,096 a Register
+        assert other.attach(SLOTS).num_slots == SLOTS
+    assert "Traceback" not in d.output()
