@@ -1,8 +1,9 @@
 """A stored prefix brought to the CPU tier and protected there, for a load or a borrow.
 
 Contract:
-    * ``resident(store, pool, salted, loan=None, patience=None) -> rows``: the rows of the
-      longest stored prefix of ``salted`` (keys salted for ``pool``'s tenant), every one of them
+    * ``resident(core, find, pool, salted, loan=None, patience=None) -> rows``: the rows of the
+      longest stored prefix of ``salted`` (keys salted for ``pool``'s tenant; ``find(pool,
+      salted)`` gives the stored prefix's rows wherever they are), every one of them
       in the CPU tier and protected (the caller unprotects them). Blocks below the CPU tier are
       read up; a ``loan`` is given back before waiting for them.
     * It returns a shorter, leading part (the blocks already in the CPU tier, in order) when the
@@ -28,10 +29,10 @@ from kvtier.types import Tier
 if TYPE_CHECKING:
     from kvtier.core import EngineCore
     from kvtier.loan import LaneLoan
-    from kvtier.prefix.store import PrefixStore
     from kvtier.state.pool import Pool
 
 Patience = Callable[[int], float]  # leading blocks in the CPU tier -> seconds worth waiting
+Find = Callable[["Pool", list[bytes]], np.ndarray]  # the stored prefix's rows
 POLL_S = 0.05  # the longest wait between looks at the blocks (landings also wake it)
 
 
@@ -40,13 +41,13 @@ def _leading(on_cpu: np.ndarray) -> int:
     return len(on_cpu) if on_cpu.all() else int(np.argmin(on_cpu))
 
 
-def resident(store: PrefixStore, pool: Pool, salted: list[bytes], loan: LaneLoan | None = None,
-             patience: Patience | None = None) -> np.ndarray:
+def resident(core: EngineCore, find: Find, pool: Pool, salted: list[bytes],
+             loan: LaneLoan | None = None, patience: Patience | None = None) -> np.ndarray:
     """See the module docstring."""
-    core, t = store.core, store.core.table
+    t = core.table
     began = time.monotonic()
     deadline = began + core.config.restore_timeout_s
-    rows = store.prefix(pool, salted)
+    rows = find(pool, salted)
     if t.at(rows, Tier.CPU).all():  # the common case: the whole prefix in the CPU tier
         core.protect(rows)
         return rows
@@ -55,7 +56,7 @@ def resident(store: PrefixStore, pool: Pool, salted: list[bytes], loan: LaneLoan
     held: set[int] = set()
     try:
         while True:
-            rows = store.prefix(pool, salted)
+            rows = find(pool, salted)
             on_cpu = t.at(rows, Tier.CPU)
             fresh = [r for r in rows[on_cpu].tolist() if r not in held]
             if fresh:

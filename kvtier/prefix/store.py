@@ -368,7 +368,7 @@ class PrefixStore:
         """Rows of the longest stored prefix of ``salted``, brought to the CPU tier and returned
         protected (``kvtier/prefix/resident.py``: a leading part when the rest can't come, or
         by ``patience`` does not pay to wait for)."""
-        return resident(self, pool, salted, loan, patience)
+        return resident(self._core, self.prefix, pool, salted, loan, patience)
 
     def _read_ahead(self, pool: Pool, salted: list[bytes]) -> bool:
         """Queue the disk reads of every stored block of ``salted`` at once, so the disk lane
