@@ -5,11 +5,13 @@
   2. the disk directory is a writable directory of a real filesystem (not a file, not under
      /proc or /sys, not read-only: a probe file is written and removed) whose entries under the
      disk tier's file names it can use (regular files, no links, each openable as the tier
-     needs: ``kvtier.tiers.disk_layout.unusable_file``), and the tenants file (when set) is private
+     needs: ``kvtier.tiers.disk_layout.unusable_file``) and nothing of anyone else's where none
+     is the tier's (``foreign_entry``), and the tenants file (when set) is private
      and well formed — before the engine spends time starting;
   3. every unix socket's directory exists or can be created, and the path fits a socket address;
   4. the instance locks (``pidlock``): one per unix socket, one in the disk directory;
-  5. the metrics port and every TCP listener can be bound.
+  5. no program answers on a socket already at a unix path (a stale one is replaced);
+  6. the metrics port and every TCP listener can be bound.
 Each failure is a :class:`ConfigError` "<flag>/<VARIABLE>: <problem>" on one line (the CLI
 prints it and exits 2); nothing live (a socket, a port) has been touched when one is raised.
 Locks come before ports so that a second start names the running daemon's pid rather than
@@ -27,7 +29,7 @@ from typing import NoReturn
 from kvtier.config import OffloadConfig
 from kvtier.errors import ConfigError
 from kvtier.flags import setting
-from kvtier.tiers.disk_layout import unusable_file
+from kvtier.tiers.disk_layout import LOCK_NAME, foreign_entry, unusable_file
 
 from .app import socket_dir
 from .credentials import TenantCredentials
@@ -35,7 +37,7 @@ from .pidlock import PidLock, hold
 
 PSEUDO_FILESYSTEMS = ("/proc", "/sys")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-DISK_LOCK = "kvtier.lock"
+DISK_LOCK = LOCK_NAME
 
 
 def fail(name: str, problem: str) -> NoReturn:
@@ -52,6 +54,8 @@ def prepare(config: OffloadConfig, addrs: list[str]) -> list[PidLock]:
         check_socket_dir(path)
     locks = take_locks(config, unix)
     try:
+        for path in unix:
+            check_socket_free(path)
         check_ports(config, [a for a in addrs if not a.startswith("unix://")])
     except ConfigError:
         for lock in locks:
@@ -98,6 +102,10 @@ def check_disk(config: OffloadConfig) -> None:
             os.unlink(probe)
     except OSError as exc:
         fail("disk_path", f"{path} is not a writable directory: {exc.strerror}")
+    foreign = foreign_entry(real)
+    if foreign is not None:  # someone else's directory (``/``, a home): never taken over
+        fail("disk_path", f"{path} holds {foreign!r}, not the disk tier's: give the tier a "
+                          "directory of its own")
     problem = unusable_file(real)
     if problem is not None:  # the operator's to fix: never deleted, never followed
         fail("disk_path", problem)
@@ -122,6 +130,20 @@ def check_socket_dir(path: str) -> None:
         fail("listen", f"unix://{path}: directory {directory} is not writable")
     if os.path.lexists(path) and not _is_socket(path):
         fail("listen", f"unix://{path} exists and is not a socket")
+
+
+def check_socket_free(path: str) -> None:
+    """A socket already at ``path`` is replaced only if nothing answers on it (a stale one):
+    with our lock held, one that answers is another program's, never taken from it."""
+    if not _is_socket(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # stale: nobody listens
+    fail("listen", f"unix://{path}: another program is serving on it")
 
 
 def take_locks(config: OffloadConfig, unix: list[str]) -> list[PidLock]:

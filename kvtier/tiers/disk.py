@@ -56,6 +56,7 @@ from kvtier.tiers.disk_journal import Journal, remove_before, replay
 from kvtier.tiers.disk_layout import (
     SlotFile,
     check_page_size,
+    foreign_entry,
     page_file,
     page_file_size,
     unusable_file,
@@ -98,6 +99,10 @@ class DiskStore:
         if io_threads < 1:
             raise InvalidArgument("io_threads", f"must be >= 1, got {io_threads}")
         self.path = os.fspath(path)
+        foreign = foreign_entry(self.path) if os.path.isdir(self.path) else None
+        if foreign is not None:
+            raise InvalidArgument("disk_path", f"{self.path} holds {foreign!r}, not the disk "
+                                  "tier's: give the tier a directory of its own")
         private_dir(self.path)
         self.budget_bytes = budget_bytes
         self.extent_bytes = max(ALIGN, extent_bytes)
@@ -377,6 +382,9 @@ class DiskStore:
             sf.sums[slot] = rec.checksum
             sf.records[slot] = rec
         self.counters.dropped_records += dropped
+        if dropped:
+            log.warning("disk tier at %s: %d stored pages dropped at open (index or slot files "
+                        "damaged, cut short or missing): their keys are misses", self.path, dropped)
         for f in self._files.values():
             f.free = [s for s in range(f.nslots) if s not in f.used]  # ascending: a valid heap
         generation = found.generation + 1

@@ -13,6 +13,8 @@ Contract:
       ``s * stride``: the page size rounded up to ``ALIGN`` (O_DIRECT's unit), so a page size
       that is not a multiple of it (a registered pool's: a layer count times an odd per-layer
       size) is padded on disk.
+    * ``foreign_entry(directory)``: in a directory holding none of the store's files, an entry
+      other than ``LOCK_NAME``, a probe or ``lost+found``: the directory is not the tier's.
     * ``check_page_size(page_size)``: ``InvalidArgument`` unless positive.
 """
 
@@ -29,6 +31,11 @@ from kvtier.tiers.disk_journal import journal_generation
 from kvtier.tiers.diskio import ALIGN, entry_problem
 
 _FILE_RE = re.compile(r"^pages-(\d+)\.dat$")
+LOCK_NAME = "kvtier.lock"  # the daemon's instance lock in the directory (server/preflight.py)
+# Not the store's, yet no sign the directory is someone else's: a file system's own folder at
+# the root of a disk mounted for the tier, and the probes it writes and removes at once.
+_TOLERATED = ("lost+found",)
+_PROBES = (".kvtier-probe-", ".direct-probe-")
 
 
 @dataclass(slots=True)
@@ -62,6 +69,18 @@ def unusable_file(directory: str) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def foreign_entry(directory: str) -> str | None:
+    """An entry of ``directory`` that is not the store's (its files, the daemon's lock, a
+    probe) where none is the store's, or None: such a directory is someone else's (``/``, a
+    home, ``/tmp``), which the tier, tightening its mode and writing its files there, must never
+    take. A directory the store already uses keeps whatever else was put in it."""
+    names = sorted(os.listdir(directory))
+    if any(_is_own(name) for name in names):
+        return None
+    return next((name for name in names if not (
+        name == LOCK_NAME or name in _TOLERATED or name.startswith(_PROBES))), None)
 
 
 def _is_own(name: str) -> bool:

@@ -46,3 +46,40 @@ def test_serve_refuses_a_linked_page_file_without_touching_its_target(tmp_path: 
     assert victim.read_text() == "important=1\n"
     assert stat.S_IMODE(victim.stat().st_mode) == 0o644
     assert not (tmp_path / "k.sock").exists()
+
+
+def test_serve_refuses_a_directory_of_someone_elses_files_and_leaves_its_mode(
+        tmp_path: Path) -> None:
+    """``--disk-path /`` started, took ``/`` to mode 0750 (others lost access to the whole
+    machine) and wrote the tier's files there. A directory with other files and none of the
+    tier's is someone else's: refused, its mode and entries untouched."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    (shared / "someone-elses-file").write_text("x")
+    args = serve_args(tmp_path, disk=shared, metrics_port=free_port())
+    proc = subprocess.run(args, env=daemon_env(), capture_output=True, text=True, timeout=60)
+    lines = (proc.stderr + proc.stdout).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"kvtier serve: {SETTING}{shared} holds 'someone-elses-file'")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    assert sorted(p.name for p in shared.iterdir()) == ["someone-elses-file"]
+
+
+def test_a_directory_the_tier_already_uses_keeps_what_else_is_in_it(tmp_path: Path) -> None:
+    from kvtier.tiers.disk import DiskStore
+
+    disk = tmp_path / "disk"
+    with DiskStore(disk, 1 << 20, direct_io=False):
+        pass  # its index and journal
+    (disk / "README").write_text("the kvtier disk tier\n")
+    (disk / "lost+found").mkdir()
+    check_disk(config(disk))
+    with DiskStore(disk, 1 << 20, direct_io=False):
+        pass
+    empty = tmp_path / "mount"
+    (empty / "lost+found").mkdir(parents=True)  # a file system mounted for the tier
+    check_disk(config(empty))
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"holds 'notes\.txt'"):
+        check_disk(config(empty))
