@@ -9,12 +9,14 @@ variable (or field) and the accepted values. The README's configuration table is
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kvtier import config_rules as rules
 from kvtier.errors import ConfigError
 
 ENV_PREFIX = "KVCACHED_OFFLOAD_"
@@ -116,7 +118,7 @@ class OffloadConfig:
         512, "MAX_INFLIGHT_MB", "Most bytes in flight across all transfers (MiB).", ">= BATCH_MB"
     )
     restore_timeout_s: float = _opt(
-        30.0, "RESTORE_TIMEOUT_S", "Deadline for one restore (seconds).", "> 0"
+        30.0, "RESTORE_TIMEOUT_S", "Deadline for one restore (seconds).", "(0, 86400]"
     )
     # --- remote tier (a shared Redis / Valkey store) -------------------------------------------
     remote_url: str = _opt(
@@ -171,7 +173,8 @@ class OffloadConfig:
     token_file: str = _opt(
         "", "TOKEN_FILE", "File holding the TCP token (preferred over TOKEN).", "a file path"
     )
-    grace_s: float = _opt(10.0, "GRACE_S", "Drain period on SIGTERM before exit (seconds).", "> 0")
+    grace_s: float = _opt(10.0, "GRACE_S", "Drain period on SIGTERM before exit (seconds).",
+                          "(0, 86400]")
     max_message_mb: int = _opt(
         64, "MAX_MESSAGE_MB", "Largest gRPC message accepted or sent (MiB).", "1..1024"
     )
@@ -356,6 +359,8 @@ def _validate(c: OffloadConfig) -> None:
             object.__setattr__(c, f.name, tuple(value))
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             _fail(f.name, value)
+        if expected is float and not math.isfinite(getattr(c, f.name)):
+            _fail(f.name, value)  # inf or nan: no budget, wait or timeout is endless
     checks: list[tuple[str, bool]] = [
         ("cpu_memory_gb", c.cpu_memory_gb >= 0),
         ("gpu_memory_gb", c.gpu_memory_gb > 0),
@@ -369,8 +374,8 @@ def _validate(c: OffloadConfig) -> None:
         ("pinned_chunk_mb", 1 <= c.pinned_chunk_mb <= 4096),
         ("batch_mb", 1 <= c.batch_mb <= 4096),
         ("max_inflight_mb", c.max_inflight_mb >= c.batch_mb),
-        ("restore_timeout_s", c.restore_timeout_s > 0),
-        ("grace_s", c.grace_s > 0),
+        ("restore_timeout_s", 0 < c.restore_timeout_s <= 86400),
+        ("grace_s", 0 < c.grace_s <= 86400),
         ("lease_s", 0 <= c.lease_s <= 86400),
         ("max_message_mb", 1 <= c.max_message_mb <= 1024),
         ("keepalive_s", 1 <= c.keepalive_s <= 3600),
@@ -388,50 +393,15 @@ def _validate(c: OffloadConfig) -> None:
     for name, ok in checks:
         if not ok:
             _fail(name, getattr(c, name))
-    _validate_tenants(c)
+    rules.check_tenants(c, ENV_PREFIX)
     if c.disk_gb > 0 and not c.disk_path:
         raise ConfigError(f"{ENV_PREFIX}DISK_GB={c.disk_gb} needs {ENV_PREFIX}DISK_PATH to be set")
-    _validate_remote(c)
+    rules.check_remote(c, ENV_PREFIX)
     for addr in c.listen:
-        if not (addr.startswith("unix://") or re.fullmatch(r"\[?[\w.:-]*\]?:\d{1,5}", addr)):
+        if not rules.listen_ok(addr):
             _fail("listen", addr)
-    if c.metrics_addr and not re.fullmatch(r"\[?[\w.:-]*\]?:\d{1,5}", c.metrics_addr):
+    if c.metrics_addr and not rules.host_port_ok(c.metrics_addr):
         _fail("metrics_addr", c.metrics_addr)
-
-
-def _validate_tenants(c: OffloadConfig) -> None:
-    from kvtier.tenancy.quotas import parse_quotas
-
-    try:
-        parse_quotas(c.tenant_quotas)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{ENV_PREFIX}TENANT_QUOTAS={c.tenant_quotas!r} is invalid ({exc}); accepted: "
-            "tenant=gpu:SIZE,cpu:SIZE,disk:SIZE;*=cpu:SIZE (SIZE like 512MiB, 2GiB)"
-        ) from None
-
-
-def _validate_remote(c: OffloadConfig) -> None:
-    """The remote URL's shape (no inline password: it belongs in the password file)."""
-    if not c.remote_url:
-        return
-    m = re.fullmatch(r"(rediss?)://(?:([^:@/]*)(:[^@/]*)?@)?([\w.-]+|\[[\w:.]+\]):(\d{1,5})(/\d+)?"
-                     r"(\?.*)?", c.remote_url)
-    if m is None:  # shown without any user:password part
-        shown = re.sub(r"//[^@/]*@", "//***@", c.remote_url)
-        raise ConfigError(
-            f"{ENV_PREFIX}REMOTE_URL={shown!r} is invalid; accepted: "
-            "redis://[user@]host:port[/db]|rediss://..."
-        )
-    if m.group(3):
-        raise ConfigError(
-            f"{ENV_PREFIX}REMOTE_URL must not carry a password; put it in "
-            f"{ENV_PREFIX}REMOTE_PASSWORD_FILE"
-        )
-    if not c.remote_secret_file:
-        raise ConfigError(
-            f"{ENV_PREFIX}REMOTE_URL needs {ENV_PREFIX}REMOTE_SECRET_FILE (the cluster-wide secret)"
-        )
 
 
 def describe() -> list[tuple[str, str, str, str]]:

@@ -27,9 +27,11 @@ from kvtier.cli.bench_worker import EngineResult, Worker
 from kvtier.cli.status import (
     add_connection_flags,
     human_bytes,
+    positive_seconds,
     read_token,
     stats_dict,
     table,
+    tenant_name,
 )
 from kvtier.config import parse_size as config_parse_size
 from kvtier.errors import ConfigError
@@ -72,14 +74,14 @@ def add_bench_parser(sub: Any) -> None:
         address_help="daemon to load (default: start an embedded CPU-mode "
         "daemon in a temp dir and stop it afterwards)",
     )
-    p.add_argument("--tenant", metavar="NAME", default=None,
+    p.add_argument("--tenant", metavar="NAME", type=tenant_name, default=None,
                    help="run every engine as this tenant and report its own view (default: "
                    "tenants bench-0..N and the daemon-wide view)")
     p.add_argument("--tenant-token-file", metavar="FILE", default=None,
                    help="file whose first line is --tenant's token, when the daemon checks "
                    "tenant credentials (KVCACHED_OFFLOAD_TENANTS_FILE)")
     p.add_argument("--engines", type=positive_int, default=4, help="client threads (4)")
-    p.add_argument("--seconds", type=float, default=10.0, help="run time (10)")
+    p.add_argument("--seconds", type=positive_seconds, default=10.0, help="run time (10)")
     p.add_argument("--page-size", type=parse_size, default=64 * 1024, help="page size (64KiB)")
     p.add_argument(
         "--pages-per-engine",

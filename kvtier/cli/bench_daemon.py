@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvtier.errors import ConfigError
+
 GIB = 1 << 30
 
 
@@ -77,10 +79,10 @@ def wait_serving(
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"embedded daemon exited {proc.returncode}:\n{log.read_text(errors='replace')}"
-            )
+        if proc.poll() is not None:  # its last line says why (a setting it refused)
+            lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+            raise ConfigError(f"the embedded daemon did not start (exit {proc.returncode}): "
+                              f"{lines[-1].removeprefix('kvtier serve: ')}")
         with grpc.insecure_channel(address) as ch:
             try:
                 reply = health_pb2_grpc.HealthStub(ch).Check(

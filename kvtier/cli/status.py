@@ -10,12 +10,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
 
+from kvtier.errors import InvalidArgument
+from kvtier.validate import check_name
+
 DEFAULT_TIMEOUT = 5.0
 STATUS_TENANT = "kvtier-status"
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (``nan`` and ``inf`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def tenant_name(text: str) -> str:
+    """A tenant name as the daemon accepts it (``kvtier.validate.check_name``)."""
+    try:
+        return check_name("tenant", text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def default_address() -> str:
@@ -48,13 +71,14 @@ def add_connection_flags(p: argparse.ArgumentParser, *, address_help: str = "") 
 
 def add_status_flags(p: argparse.ArgumentParser) -> None:
     add_connection_flags(p)
-    p.add_argument("--tenant", metavar="NAME", default=None,
+    p.add_argument("--tenant", metavar="NAME", type=tenant_name, default=None,
                    help="show this tenant's own view (default: the daemon-wide view)")
     p.add_argument("--tenant-token-file", metavar="FILE", default=None,
                    help="file whose first line is the tenant's token (or the admin token "
                    "for the daemon-wide view) when the daemon checks tenant credentials")
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT,
+                   help=argparse.SUPPRESS)
 
 
 def not_running(address: str) -> str:

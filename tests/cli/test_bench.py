@@ -67,3 +67,28 @@ def test_bench_runs_as_one_tenant_with_its_credential(
         assert "--tenant-token-file" in capsys.readouterr().err
     finally:
         d.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["bench", "--seconds", "nan"], "--seconds: must be a finite number > 0"),
+    (["bench", "--tenant", "bad name"], "--tenant: tenant: must be 1-128 characters"),
+    (["status", "--tenant", "bad name"], "--tenant: tenant: must be 1-128 characters"),
+    (["status", "--timeout", "inf"], "--timeout: must be a finite number > 0"),
+])
+def test_bad_values_are_one_line_and_exit_2(argv: list[str], says: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad tenant name was an uncaught InvalidArgument with a traceback; nan seconds ran."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and "Traceback" not in "\n".join(err), err
+
+
+def test_an_embedded_daemon_that_refuses_its_device_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device bogus`` ended in a RuntimeError and a traceback."""
+    assert main(["bench", "--seconds", "1", "--device", "bogus"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the embedded daemon did not start (exit 2)" in err[0], err
+    assert "KVCACHED_OFFLOAD_DEVICE" in err[0]

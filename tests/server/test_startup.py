@@ -152,3 +152,36 @@ def test_version_flag() -> None:
 
     assert out.returncode == 0
     assert out.stdout.strip() == f"kvtier {metadata.version('kvtier')}"
+
+
+def test_a_socket_another_program_serves_on_is_never_taken(tmp_path: Path) -> None:
+    """A socket already at the path was unlinked whatever it was: another program's live
+    listener lost its address to the daemon. Only a stale one (nobody answers) is replaced."""
+    path = tmp_path / "k.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        other.bind(str(path))
+        other.listen(1)
+        one_line(serve(serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())),
+                 f"--listen/KVCACHED_OFFLOAD_LISTEN: unix://{path}: another program is serving")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))  # still the other program's
+            conn, _ = other.accept()
+            conn.close()
+
+
+@pytest.mark.parametrize(("flag", "value", "prefix"), [
+    ("--disk-gb", "inf", "--disk-gb: KVCACHED_OFFLOAD_DISK_GB=inf is invalid"),
+    ("--cpu-memory-gb", "inf", "--cpu-memory-gb: KVCACHED_OFFLOAD_CPU_MEMORY_GB=inf is invalid"),
+    ("--grace", "1e30", "--grace: KVCACHED_OFFLOAD_GRACE_S=1e+30 is invalid"),
+    ("--metrics-addr", "127.0.0.1:99999", "--metrics-addr: KVCACHED_OFFLOAD_METRICS_ADDR="),
+    ("--listen", "127.0.0.1:99999", "--listen: KVCACHED_OFFLOAD_LISTEN="),
+    ("--listen", "unix://", "--listen: KVCACHED_OFFLOAD_LISTEN="),
+    ("--listen", "unix://relative.sock", "--listen: KVCACHED_OFFLOAD_LISTEN="),
+])
+def test_endless_or_out_of_range_values_are_one_line(tmp_path: Path, flag: str, value: str,
+                                                     prefix: str) -> None:
+    """Each was a traceback (OverflowError, RuntimeError, FileNotFoundError), a daemon that
+    crashed on every SIGTERM (an endless grace), or a port that wrapped (99999 served 34463)."""
+    args = with_flag(serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port()),
+                     flag, value)
+    one_line(serve(args), prefix)
