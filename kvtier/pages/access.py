@@ -136,7 +136,7 @@ class Residency:
             return None
         try:
             pool = core.pools.get(pool_id)
-            if core.closed or pool is None or pool.tenant != tenant:
+            if core.closed or pool is None or pool.detaching or pool.tenant != tenant:
                 return None
             try:
                 rows = core.table.rows(pool_id, check_ids("page_ids", page_ids))

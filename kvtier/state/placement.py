@@ -81,9 +81,10 @@ class Placement:
         self.closed = False
 
     def pool_of(self, pool_id: PoolId) -> Pool:
-        """The pool, or ``NotFound`` (the same answer for another tenant's ids)."""
+        """The pool, or ``NotFound`` (the same answer for another tenant's ids, and for a pool
+        being detached: nothing new is handed out of it, and a second detach is refused)."""
         pool = self.pools.get(pool_id)
-        if pool is None:
+        if pool is None or pool.detaching:
             raise NotFound(f"pool {pool_id} not found")
         return pool
 

@@ -4,9 +4,10 @@ CPU tier full of another tenant's blocks): a stored key holds the pool's bytes o
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
-from kvtier.client import KVTierClient
+from kvtier.client import Attachment, KVTierClient
 from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon, daemon_env
 
@@ -58,4 +59,61 @@ def test_a_detach_during_a_store_never_stores_stale_bytes(
                 f"trial {trial}: {got} blocks loaded, "
                 f"{int((blocks == 0xBB).all(dim=1).sum())} of them the victim's")
             a.detach(fresh)
+    assert "Traceback" not in d.output()
+
+
+def _offloading(c: KVTierClient, n: int = 128) -> Attachment:
+    """A pool whose ``n`` pages are on their way to the CPU tier (a Detach waits for them)."""
+    att = c.attach(n)
+    ids = [p for p, _ in c.allocate(att, n)]
+    c.release(att, ids)
+    c.offload(att, ids)
+    return att
+
+
+def test_nothing_new_comes_out_of_a_pool_being_detached(spawn: Callable[..., Daemon]) -> None:
+    """An Allocate that arrived while a Detach waited for the pool's moves was granted: pinned
+    pages the Detach then waited for, forever (while the client stayed)."""
+    d = spawn(pool_pages=1024, cpu_pages=2048)
+    with d.client("t", timeout=30) as c:
+        for _ in range(8):  # the Allocate lands while the Detach waits in most rounds
+            att = _offloading(c, 1024)  # 64 MiB on its way: the Detach waits for some ms
+            done: list[object] = []
+            th = threading.Thread(target=lambda att=att, done=done: done.append(c.detach(att)))
+            th.start()
+            time.sleep(0.005)
+            try:
+                got = c.allocate(att, 4)
+            except NotFound:
+                got = None
+            th.join(20)
+            assert done == [None], "the Detach never returned"
+            if got is not None:  # it came before the Detach: freed with the pool
+                assert len(got) == 4
+        assert c.stats().pools == 0 and c.stats().pinned_pages == 0
+
+
+def test_two_detaches_of_one_pool_answer_once_and_not_found(
+        spawn: Callable[..., Daemon]) -> None:
+    """Both passed the lookup before either removed the pool; the second then failed with
+    INTERNAL (a KeyError and a traceback in the daemon's log)."""
+    d = spawn(pool_pages=256, cpu_pages=512)
+    with d.client("t", timeout=30) as c:
+        for _ in range(4):
+            att = _offloading(c)
+            out: list[str] = []
+
+            def detach(att: Attachment = att, out: list[str] = out) -> None:
+                try:
+                    c.detach(att)
+                    out.append("ok")
+                except NotFound:
+                    out.append("not found")
+
+            threads = [threading.Thread(target=detach) for _ in range(2)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(20)
+            assert sorted(out) == ["not found", "ok"], out
     assert "Traceback" not in d.output()
