@@ -28,7 +28,7 @@ from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 from .auth import TokenAuth
 from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
-from .fdpass import FdExchange, descriptor_limit, session_paths
+from .fdpass import FdExchange, descriptor_limit, descriptor_shares, session_paths
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
@@ -138,7 +138,8 @@ def create_server(
     executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
-    lane = FastLane(engine, path, observe) if path is not None else None
+    conns, _ = descriptor_shares(descriptor_limit())  # as many as the session socket takes
+    lane = FastLane(engine, path, observe, conns) if path is not None else None
     sessions = _sessions(config, engine, lane, executor, addrs)
     tenancy = Tenancy(engine, instance)
     watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)

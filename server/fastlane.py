@@ -11,11 +11,12 @@ Frames (little endian), one request then one reply, any number per connection:
 ``op``: 1 acquire, 2 release. ``status``: 0 OK, 1 use gRPC, 2 denied (unknown pool or wrong
 capability: nothing changed). A frame with ``n`` of 0 or above ``MAX_PAGES`` closes the
 connection. The socket is 0660 like the gRPC one; capabilities are never logged. At most
-``MAX_CONNS`` connections are open at once (like the session socket), so no client can make the
-daemon run out of descriptors. At the cap a new connection takes the place of one that never
-sent a valid capability (the oldest), else of the least recently used one of the tenant holding
-the most: idle connections, or one tenant's many, can't keep another tenant's engine off the
-lane (a closed connection's engine falls back to gRPC and reconnects).
+``max_conns`` connections are open at once (the session socket's share of the descriptor limit,
+``MAX_CONNS`` at most), so no client can make the daemon run out of descriptors. At the cap a
+new connection takes the place of one that never sent a valid capability (the oldest), else
+of the least recently used one of the tenant holding the most: idle connections, or one
+tenant's many, can't keep another tenant's engine off the lane (a closed connection's engine
+falls back to gRPC and reconnects).
 An OK answer is counted in the RPC metrics as the method it stands for (``Acquire``/``Release``,
 code OK); "use gRPC" is not (the gRPC call that follows is), nor is "denied" (the client falls
 back to gRPC, which reports the error).
@@ -60,9 +61,11 @@ class FastLane:
     """Capabilities per pool, and the asyncio server that checks them."""
 
     def __init__(self, engine: Any, path: str,
-                 observe: Callable[[str, str, float], None] | None = None) -> None:
+                 observe: Callable[[str, str, float], None] | None = None,
+                 max_conns: int = MAX_CONNS) -> None:
         self._engine = engine
         self.path = path
+        self.max_conns = max_conns  # the session socket's share of the descriptor limit
         self._observe = observe
         self._grants: dict[int, tuple[str, bytes]] = {}
         self._server: asyncio.AbstractServer | None = None
@@ -93,7 +96,7 @@ class FastLane:
             os.unlink(self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._conns) >= MAX_CONNS:
+        if len(self._conns) >= self.max_conns:
             self._make_room()
         conn = self._conns[writer] = _Conn(writer)
         try:

@@ -4,13 +4,15 @@ gRPC, and refuses anything without the pool's capability (changing nothing)."""
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import struct
 import time
 from typing import Any
 
+import pytest
 import torch
-from kvtier_daemon_fixture import Daemon
+from kvtier_daemon_fixture import Daemon, free_port, serve_args
 
 from server.fastlane import MAX_CONNS
 
@@ -244,3 +246,32 @@ def test_one_tenants_many_lane_connections_make_way_for_another_tenant(daemon: D
         for s in flood:
             s.close()
         assert heavy.stats().pinned_pages == 0
+
+
+def test_the_lane_keeps_to_its_share_of_a_low_descriptor_limit(
+        spawn: Any, tmp_path: Any) -> None:
+    """Under a hard limit of 1,024 descriptors, 1,100 idle lane connections (a fixed cap of
+    1,024) took every descriptor: gRPC stopped accepting, and every engine's calls timed out.
+    The lane now takes what the session socket takes: an eighth of the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip("this process can't open the flood")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    flood: list[socket.socket] = []
+    try:
+        argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())
+        d = spawn(args=["sh", "-c", 'ulimit -n 1024 && exec "$@"', "sh", *argv])
+        with d.client("lane-l") as c:
+            att = c.attach(4)
+            for _ in range(1100):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(att.fast_lane.path)
+                flood.append(s)
+            time.sleep(1.0)
+            assert c.stats().pools == 1  # an engine already connected
+            with d.client("another", timeout=5) as other:
+                assert other.attach(4).num_slots == 4  # and a new one
+    finally:
+        for s in flood:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
