@@ -14,9 +14,11 @@ connection after its old one broke: OK when the pool's session closed less than 
 (the pool now belongs to this session; no memory comes with it). ``status``: 0 OK, 1 DENIED
 (unknown, used, expired or another tenant's ticket), 2 REFUSED (a deposit without exactly one
 descriptor, or too many unredeemed deposits; a REDEEM or RENEW that would make this the tenant's
-sessions holding pools more than a quarter of the connection cap: a client holds all its pools
-on one session, so only a tenant opening a session per pool gets there, and it can't lock the
-other tenants out). Any other op, a bad tenant or a descriptor flood
+sessions holding pools more than a quarter of the connection cap, or its client user's more than
+half: a client holds all its pools on one session, so only a client opening a session per pool
+gets there, and it can't lock the other tenants, or users, out; a Register binding its pool to
+the session that deposited its memory is held to the same shares, RESOURCE_EXHAUSTED). Any other
+op, a bad tenant or a descriptor flood
 closes the connection; descriptors that come with a frame that does not use them are closed.
 Tickets never appear in logs.
 
@@ -34,11 +36,12 @@ import os
 import resource
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from kvtier.errors import KVTierError
+from kvtier.errors import CapacityError, KVTierError
 from kvtier.tiers.diskio import Throttle
 
 from .leases import Leases
@@ -55,6 +58,7 @@ _FDS_PER_READ = 4  # descriptors one read accepts; the kernel closes any beyond 
 _SWEEP_S = 1.0
 _PAUSE_S = 0.25  # the listeners rest this long after accept ran out of descriptors
 _WARN_S = 10.0  # and say so at most this often
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def descriptor_shares(limit: int) -> tuple[int, int]:
@@ -81,6 +85,7 @@ def descriptor_limit() -> int:
 class _Conn:
     sock: socket.socket
     session: int
+    uid: int = -1  # the peer's user (SO_PEERCRED; -1 unknown)
     buf: bytearray = field(default_factory=bytearray)
     fds: list[int] = field(default_factory=list)
 
@@ -100,15 +105,32 @@ class FdExchange:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[socket.socket] = []
         self._conns: dict[_Conn, None] = {}  # oldest first
-        self.tenant_sessions = max(1, self.max_conns // 4)  # pool-holding sessions per tenant
+        # Pool-holding sessions per tenant (a quarter of the connection cap) and per client
+        # user (half: tenant names are free without a tenants file; a user is the kernel's word).
+        self.tenant_sessions = max(1, self.max_conns // 4)
+        self.user_sessions = max(1, self.max_conns // 2)
         self._tenants: dict[int, str] = {}  # live session holding a pool -> its tenant
+        self._uids: dict[int, int] = {}  # live session -> its peer's uid
+        self._shares = threading.Lock()  # _tenants: the loop's redeems, the workers' Registers
         self._sweeper: asyncio.TimerHandle | None = None
 
     # --- called by the servicer (worker threads) -----------------------------------------------
     def issue(self, tenant: str, pool_id: int, fd: int) -> bytes:
         return self.tickets.issue(tenant, pool_id, fd)
 
-    def bind(self, pool_id: int, session: int) -> None:
+    def admit(self, tenant: str, session: int) -> None:
+        """Whether a Register's pool may be held by ``session`` (the connection that deposited
+        its memory): ``CapacityError`` when that session would be one more holding pools of a
+        tenant, or of a client user, already at its share (see the module docstring)."""
+        with self._shares:
+            if self._crowded(tenant, session):
+                raise CapacityError("segments: sessions holding pools of this tenant (or this "
+                                    "user) are at their share: hold pools on fewer sessions")
+
+    def bind(self, pool_id: int, session: int, tenant: str | None = None) -> None:
+        if tenant is not None:
+            with self._shares:
+                self._tenants[session] = tenant
         if not self.leases.bind(pool_id, session) and self._loop is not None:
             self._loop.call_soon_threadsafe(self._orphaned, [pool_id])
 
@@ -160,7 +182,8 @@ class FdExchange:
             sock.close()
             return
         sock.setblocking(False)
-        conn = _Conn(sock, self.leases.open())
+        conn = _Conn(sock, self.leases.open(), _peer_uid(sock))
+        self._uids[conn.session] = conn.uid
         self._conns[conn] = None
         self._loop.add_reader(sock, self._readable, conn)
 
@@ -243,30 +266,37 @@ class FdExchange:
             pool = self.tickets.renewable(ticket, tenant)
             if pool is None:
                 return DENIED, none, -1
-            if self._crowded(tenant, session):
-                return REFUSED, none, -1
-            if not self.leases.rebind(pool, session):
-                return DENIED, none, -1
-            self._tenants[session] = tenant
+            with self._shares:
+                if self._crowded(tenant, session):
+                    return REFUSED, none, -1
+                if not self.leases.rebind(pool, session):
+                    return DENIED, none, -1
+                self._tenants[session] = tenant
             return OK, none, -1
         if not self.tickets.redeemable(ticket, tenant):
             return DENIED, none, -1
-        if self._crowded(tenant, session):
-            return REFUSED, none, -1
-        redeemed = self.tickets.redeem(ticket, tenant)
-        if redeemed is None:
-            return DENIED, none, -1
-        pool_id, fd = redeemed
-        self._tenants[session] = tenant
+        with self._shares:
+            if self._crowded(tenant, session):
+                return REFUSED, none, -1
+            redeemed = self.tickets.redeem(ticket, tenant)
+            if redeemed is None:
+                return DENIED, none, -1
+            pool_id, fd = redeemed
+            self._tenants[session] = tenant
         self.bind(pool_id, session)
         return OK, none, fd
 
     def _crowded(self, tenant: str, session: int) -> bool:
-        """A session holding no pool yet, of a tenant whose sessions already hold pools in
-        ``tenant_sessions`` of the connection cap (see the module docstring)."""
+        """A session holding no pool yet, of a tenant (or a client user) whose sessions already
+        hold pools in ``tenant_sessions`` of the connection cap (see the module docstring);
+        ``_shares`` held."""
         if session in self._tenants:
             return False
-        return sum(t == tenant for t in self._tenants.values()) >= self.tenant_sessions
+        if sum(t == tenant for t in self._tenants.values()) >= self.tenant_sessions:
+            return True
+        uid = self._uids.get(session, -1)
+        return uid >= 0 and sum(self._uids.get(s) == uid for s in self._tenants) >= (
+            self.user_sessions)
 
     def _reply(self, conn: _Conn, frame: bytes, fd: int) -> bool:
         try:
@@ -293,7 +323,9 @@ class FdExchange:
         _close_all(conn.fds)
         conn.fds = []
         self.tickets.drop_conn(conn.session)
-        self._tenants.pop(conn.session, None)
+        with self._shares:
+            self._tenants.pop(conn.session, None)
+            self._uids.pop(conn.session, None)
         pools = self.leases.close(conn.session)
         if reap and pools:
             self._orphaned(pools)
@@ -330,6 +362,15 @@ class FdExchange:
         except KVTierError:
             return  # already detached by its client, or the engine is closing
         log.info("detached pool %d: %s", pool_id, why)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The connected peer's user id (``SO_PEERCRED``), -1 where the kernel does not say."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (OSError, AttributeError):
+        return -1
+    return int(_UCRED.unpack(creds)[1])
 
 
 def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:

@@ -127,6 +127,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             tickets = None if self._sessions is None else self._sessions.tickets
             views, session = open_segments(req.segments, self._device, tenant, tickets)
             try:
+                if self._sessions is not None and session is not None:
+                    self._sessions.admit(tenant, session)  # its share of pool-holding sessions
                 pool = self._engine.register(tenant, views, default_priority=prio)
             finally:
                 views.clear()  # the pool keeps its own; a refused one leaves nothing mapped
@@ -153,7 +155,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         if self._sessions is None:
             return
         if session is not None:
-            self._sessions.bind(pool_id, session)
+            self._sessions.bind(pool_id, session, tenant)
         reply.lease.path = self._sessions.path
         reply.lease.ticket = self._sessions.issue(tenant, pool_id, fd)
 

@@ -315,3 +315,45 @@ def test_one_tenant_cannot_take_every_session(spawn: Callable[..., Daemon],
     for s in sessions:
         s.close()
     assert d.proc.poll() is None
+
+
+def test_registered_pools_count_toward_the_session_shares(spawn: Callable[..., Daemon],
+                                                          tmp_path: Path) -> None:
+    """A Register binds its pool to the session that deposited its memory, and that bypassed
+    the shares: pools registered one per session under 16 made-up tenant names held every
+    session connection, and every new client's redeem then failed. Now such a session counts
+    toward its tenant's quarter and its client user's half of the cap (RESOURCE_EXHAUSTED
+    past them), so half the connections always stay for other users."""
+    from kvtier.client.fdpass import Session
+    from kvtier.client.ipc import SharedMemory
+
+    limit = 512  # session connections: 64; per tenant 16, per client user 32
+    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0)
+    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]])
+    mem = SharedMemory(4 * 4096)
+    path = d.address[len("unix://"):] + ".fd"
+    held: list[Session] = []
+    codes: dict[str, list[str]] = {}
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVTierStub(ch)
+        for i in range(48):
+            tenant = f"evil{i % 4}"
+            s = Session(path)
+            seg = pb.Segment(memfd_ticket=s.deposit(mem.fd, tenant), num_slots=4,
+                             slot_stride=4096, slot_bytes=4096)
+            try:
+                stub.Register(pb.RegisterRequest(tenant=tenant, segments=[seg]), timeout=20)
+                held.append(s)
+                codes.setdefault(tenant, []).append("OK")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                assert "sessions holding pools" in (err.details() or "")
+                codes.setdefault(tenant, []).append("refused")
+                s.close()
+    assert len(held) == 32  # the user's half of the 64 connections
+    assert all(c.count("OK") <= 16 for c in codes.values())  # each tenant's quarter
+    for s in held:
+        s.close()
+    assert d.proc.poll() is None and "Traceback" not in d.output()
