@@ -21,9 +21,11 @@ Contract:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,7 +75,10 @@ class RemoteTier:
         )
         self._fetchers = ThreadPoolExecutor(FETCH_THREADS, "kvtier-remote-fetch")
         self._lock = threading.Lock()
-        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        # Keys known to be in the store (not offered again), with when that was last known:
+        # a miss forgets one, and one older than half the store's TTL is offered again.
+        self._recent: OrderedDict[bytes, float] = OrderedDict()
+        self._fresh_s = ttl_s / 2 if ttl_s else math.inf
         self._read_pages = self._read_bytes = 0
         self._rejected: dict[str, int] = {}
 
@@ -85,24 +90,28 @@ class RemoteTier:
         return self.framer.store_key(salted), self.framer.seal(buf)
 
     def _remember(self, keys: Sequence[bytes]) -> None:
+        now = time.monotonic()
         with self._lock:
             for key in keys:
-                self._recent[key] = None
+                self._recent[key] = now
                 self._recent.move_to_end(key)
             while len(self._recent) > RECENT_KEYS:
                 self._recent.popitem(last=False)
 
     def _forget(self, keys: Sequence[bytes]) -> None:
-        """Keys that may not be in the store (evicted from the queue, or in a batch the store
-        did not wholly take): worth offering again."""
+        """Keys that may not be in the store (evicted from the queue, in a batch the store did
+        not wholly take, missed or refused on a read: lost, expired or tampered with there):
+        worth offering again."""
         with self._lock:
             for key in keys:
                 self._recent.pop(key, None)
 
     def wants(self, salted: bytes) -> bool:
-        """Whether a block is worth offering (not known to be in the store already)."""
+        """Whether a block is worth offering (not known to be in the store already, or known
+        for longer than half its TTL: it may have expired there)."""
         with self._lock:
-            return salted not in self._recent
+            known = self._recent.get(salted)
+        return known is None or time.monotonic() - known > self._fresh_s
 
     def offer(self, items: Sequence[tuple[bytes, bytearray]], tenant: str = "") -> int:
         """Queue one tenant's framed blocks for the store (fair between tenants: see
@@ -113,7 +122,10 @@ class RemoteTier:
 
     def contains(self, salted: Sequence[bytes]) -> int:
         found = self.medium.contains_many([self.framer.store_key(k) for k in salted])
-        return found.index(False) if False in found else len(found)
+        if False in found:
+            self._forget([k for k, there in zip(salted, found, strict=True) if not there])
+            return found.index(False)
+        return len(found)
 
     def fetch(self, salted: Sequence[bytes], length: int) -> list[memoryview]:
         """The verified values of the longest stored prefix of ``salted`` (a bounded window)."""
@@ -150,6 +162,8 @@ class RemoteTier:
                 n = take(good) if good else 0
                 kept += n
                 if n < len(got):
+                    if len(good) < len(got):  # missed or refused there: offer it again
+                        self._forget([salted[kept - n + len(good)]])
                     break
             return kept
         finally:

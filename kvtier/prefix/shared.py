@@ -1,8 +1,10 @@
 """The prefix store's side of the remote tier: stored blocks go out, remote hits come in.
 
 Contract (nothing here touches the network):
-    * ``hold(core, rows) -> Held`` (engine lock held): the CPU-resident keyed pages among
-      ``rows`` that the remote tier wants (not known to be in the store), protected so they
+    * ``hold(core, rows, fresh=False) -> Held`` (engine lock held): the CPU-resident keyed
+      pages among ``rows`` that the remote tier wants (not known to be in the store; ``fresh``:
+      every one, for pages a Store just made: what was known may have been lost since, and
+      whatever held the block before is gone here too), protected so they
       stay where they are; ``offer(core, held)`` (engine lock NOT held) copies their bytes into
       framed values, offers them to the write-behind queue ``OFFER_BYTES`` at a time (its
       threads send a batch while the next is copied), then unprotects them. The copy runs
@@ -34,14 +36,14 @@ if TYPE_CHECKING:
 Held = list[tuple[int, bytes, int, int, str]]  # (row, salted key, page size, CPU slot, tenant)
 
 
-def hold(core: EngineCore, rows: np.ndarray) -> Held:
+def hold(core: EngineCore, rows: np.ndarray, fresh: bool = False) -> Held:
     remote, t = core.remote, core.table
     if remote is None or not len(rows):
         return []
     held: Held = []
     for row in rows[t.at(rows, Tier.CPU)].tolist():
         salted = t.key_of.get(row)
-        if salted is not None and remote.wants(salted):
+        if salted is not None and (fresh or remote.wants(salted)):
             held.append((row, salted, int(t.size[row]), int(t.slot[row]),
                          t.tenant_of.get(row, "")))
     if held:

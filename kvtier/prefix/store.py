@@ -101,7 +101,7 @@ class PrefixStore:
             self.wait(started)
             held: Held = []
             if core.remote is not None and core.remote.admission == "always":
-                held = hold(core, succeeded(pending.sent))
+                held = hold(core, succeeded(pending.sent), fresh=True)
             stored += sum(r is True for b in started for r in b.results or ())
         offer(core, held)  # copies for the write-behind, without the engine lock
         return stored

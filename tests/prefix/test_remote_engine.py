@@ -4,13 +4,16 @@ bytes): two engines sharing one medium stand for two daemons sharing one store."
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvtier import Tier, TierEngine
 from kvtier.errors import ConfigError
+from kvtier.prefix.salt import salt_key
 from kvtier.tiers.frame import Framer
 from kvtier.tiers.keyed import DictMedium
 from tests.conftest import PAGE, small_config
@@ -335,3 +338,52 @@ def test_a_flooding_tenant_cannot_keep_anothers_blocks_out_of_the_store(tmp_path
         remote = e.prefix._core.remote  # a block dropped from the queue is worth offering again
         assert all(remote.wants(salt_key("noisy", k)) for k in missing)
         assert not remote.wants(salt_key("quiet", b"q0"))
+
+
+def _drop_local(engine: TierEngine, tenant: str, keys: list[bytes]) -> None:
+    """The engine's own copies of ``keys`` go (as an eviction would take them)."""
+    core = engine.prefix._core
+    with core.cond:
+        core.drop(np.array([core.table.keyed(salt_key(tenant, k)) for k in keys],
+                           dtype=np.int64), "test")
+
+
+def test_blocks_the_store_lost_are_written_again(pair):
+    """A daemon remembered which blocks it had written (or read) and never offered them again:
+    once the shared store lost them (restarted empty, evicted, expired, deleted by a peer) they
+    stayed missing for every node. A Store making a new local page offers it whatever was
+    known, and a remote miss forgets what was known of that block."""
+    medium, (a, b) = pair
+    (pool, slots), _ = stored_blocks(a, "t", 3)
+    keys = [b"k0", b"k1", b"k2"]
+    assert a.store(pool.pool_id, keys, slots) == 3
+    assert a.prefix._core.remote.flush(5) and len(medium.data) == 3
+    medium.data.clear()  # the store lost them
+    _drop_local(a, "t", keys)
+    assert a.store(pool.pool_id, keys, slots) == 3
+    assert a.prefix._core.remote.flush(5) and len(medium.data) == 3  # written again
+    # B reads them (so knows them to be in the store); the store loses them; B's lookup misses.
+    (pool_b, slots_b), _ = stored_blocks(b, "t", 3, seed=2)
+    assert b.load(pool_b.pool_id, keys, slots_b) == 3
+    remote_b = b.prefix._core.remote
+    assert not remote_b.wants(salt_key("t", keys[0]))
+    medium.data.clear()
+    _drop_local(b, "t", keys)
+    assert b.lookup("t", keys) == []
+    assert remote_b.wants(salt_key("t", keys[0]))  # offered again the next time it is stored
+
+
+def test_a_block_known_for_half_its_ttl_is_offered_again(tmp_path):
+    """The store expires values after REMOTE_TTL_S; what a daemon knew of one goes stale at
+    half of it, so a block stored again after that is written again before it expires."""
+    engine = TierEngine(small_config(None, remote_secret_file=secret_file(tmp_path),
+                                     remote_ttl_s=2), remote_medium=DictMedium())
+    try:
+        (pool, slots), _ = stored_blocks(engine, "t", 1)
+        assert engine.store(pool.pool_id, [b"k"], slots) == 1
+        remote = engine.prefix._core.remote
+        assert remote.flush(5) and not remote.wants(salt_key("t", b"k"))
+        time.sleep(1.2)
+        assert remote.wants(salt_key("t", b"k"))
+    finally:
+        engine.close(grace=5)
