@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, Future
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -53,9 +53,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def _run(self, ctx: Ctx, fn: Callable[[], T],
                    undo: Callable[[T], None] | None = None) -> T:
         """``fn`` on a worker thread. A call that ends while ``fn`` runs gets no reply: cancelled
-        by its caller, or past its deadline (the caller's passed no later than the daemon's).
-        ``undo(result)`` then takes back what ``fn`` handed out (pins, pages, pools) once ``fn``
-        is done, so nothing stays held for nobody."""
+        by its caller, or past its deadline. ``undo(result)`` then takes back what ``fn`` handed
+        out (pins, pages, pools) once ``fn`` is done, so nothing stays held for nobody. The
+        caller's deadline passes before the daemon's (by the time the request took to arrive):
+        a result ready within ``reply_margin`` of the daemon's deadline is taken back too, and
+        the caller told DEADLINE_EXCEEDED, rather than sent to a caller likely gone."""
+        margin = reply_margin(ctx.time_remaining())
         work = self._executor.submit(fn)
         try:
             result = await asyncio.wrap_future(work)
@@ -67,13 +70,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             code, message = status_for(exc)
             if is_internal(exc):
                 log.exception("internal error in %s", fn)
-            await ctx.abort(code, message)
-            raise  # unreachable: abort raises
+            await _abort(ctx, code, message)
         left = ctx.time_remaining()
-        if undo is not None and left is not None and left <= 0:
+        if undo is not None and left is not None and left <= margin:
             await asyncio.get_running_loop().run_in_executor(self._executor, _take_back, undo,
                                                              work)
-            await ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
+            await _abort(ctx, grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
         return result
 
     def _acquire_resident(self, req: pb.AcquireRequest) -> list[int] | None:
@@ -208,6 +210,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         remaining = ctx.time_remaining()
         fast = self._acquire_resident(req)
         if fast is not None:  # every page resident: no thread hop, no waiting
+            left = ctx.time_remaining()
+            if left is not None and left <= reply_margin(remaining):  # as _run takes back
+                self._engine.release(self._pool(req), validate.ids(req.page_ids, "page_ids"))
+                await _abort(ctx, grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
             return pb.AcquireReply(slots=fast)
 
         def call() -> pb.AcquireReply:
@@ -215,7 +221,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             pages = validate.ids(req.page_ids, "page_ids")
             timeout = validate.timeout(req.timeout_s) or remaining
             if timeout is not None and remaining is not None:
-                timeout = min(timeout, remaining)  # no reply can reach the caller after that
+                # no reply can reach the caller after that (nor, see _run, just before)
+                timeout = min(timeout, max(0.0, remaining - reply_margin(remaining)))
             slots = self._engine.acquire(pool, pages, timeout=timeout)  # an array, as the ids
             if slots is None:
                 raise shortfall(f"pool {pool} has too few unpinned slots for {len(pages)} pages")
@@ -302,6 +309,24 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 yield convert.event(event)
         finally:
             self._watches.close(watch)
+
+
+def reply_margin(remaining: float | None) -> float:
+    """How close to its deadline a call's result is taken back instead of sent (see ``_run``):
+    a tenth of the time it was given, 5 to 50 ms (the time a request takes to arrive)."""
+    return 0.0 if remaining is None else min(0.05, max(0.005, 0.1 * remaining))
+
+
+async def _abort(ctx: Ctx, code: grpc.StatusCode, message: str) -> NoReturn:
+    """``ctx.abort``; on a call gRPC already ended (its deadline passed meanwhile) there is
+    nothing to send: it ends as cancelled (no error logged for an ordinary client timeout)."""
+    try:
+        await ctx.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # gRPC's "execute_batch" failure: the call is over
+        raise asyncio.CancelledError from None
+    raise AssertionError("abort returned")
 
 
 def _take_back(undo: Callable[[Any], None], work: Future[Any]) -> None:
