@@ -117,15 +117,24 @@ class TenantLedger:
             return got
         got = self._ids[tenant] = len(self.names)
         self.names.append(tenant)
+        if got == self.limit.shape[1]:
+            self._grow()
         limits = [-1 if q is None else q for q in self.quota(tenant).sizes()]
-        self.limit = np.concatenate([self.limit, np.array(limits, dtype=np.int64)[:, None]], 1)
+        self.limit[:, got] = limits
+        return got
+
+    def _grow(self) -> None:
+        """Twice the columns (unused ones zero, no quota): a new tenant copies the arrays only
+        at a power of two, not each time (one client naming tenants at will made every new
+        name copy every array: quadratic)."""
+        width = self.limit.shape[1]
+        self.limit = np.concatenate([self.limit, np.full_like(self.limit, -1)], 1)
         for name in ("settled", "incoming", "moved_pages", "moved_bytes", "hits", "evictions"):
             old = getattr(self, name)
-            setattr(self, name, np.concatenate([old, np.zeros((len(old), 1), old.dtype)], 1))
-        self.misses = np.append(self.misses, 0)
+            setattr(self, name, np.concatenate([old, np.zeros_like(old)], 1))
+        self.misses = np.concatenate([self.misses, np.zeros(width, dtype=np.int64)])
         for reason, arr in self.drops.items():
-            self.drops[reason] = np.append(arr, 0)
-        return got
+            self.drops[reason] = np.concatenate([arr, np.zeros(width, dtype=np.int64)])
 
     def quota(self, tenant: str) -> Quota:
         """``tenant``'s quota (its entry, else ``*``'s, else none); assigns no owner id, so a
@@ -138,7 +147,7 @@ class TenantLedger:
 
     def per_owner(self, owners: np.ndarray, weight: int = 1) -> np.ndarray:
         """``weight`` times the count of each owner id in ``owners`` (one bincount)."""
-        return np.bincount(owners, minlength=len(self.names)) * weight
+        return np.bincount(owners, minlength=self.limit.shape[1]) * weight
 
     # -- bytes ------------------------------------------------------------------------------------
     def used(self, tier: Tier) -> np.ndarray:
@@ -171,5 +180,5 @@ class TenantLedger:
     def drop(self, reason: str, owners: np.ndarray) -> None:
         arr = self.drops.get(reason)
         if arr is None:
-            arr = self.drops[reason] = np.zeros(len(self.names), dtype=np.int64)
+            arr = self.drops[reason] = np.zeros(self.limit.shape[1], dtype=np.int64)
         arr += self.per_owner(owners)

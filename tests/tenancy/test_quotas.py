@@ -63,7 +63,8 @@ def ledger_matches_table(engine) -> None:
         live = t.live_rows()
         for tier in (Tier.CPU, Tier.DISK, Tier.GPU):
             rows = live[t.at(live, tier)]
-            want = np.bincount(t.owner[rows], weights=t.size[rows], minlength=len(ledger.names))
+            want = np.bincount(t.owner[rows], weights=t.size[rows],
+                               minlength=ledger.limit.shape[1])  # spare columns are 0
             assert ledger.settled[tier].tolist() == want.astype(np.int64).tolist(), tier
             assert not ledger.incoming[tier].any(), tier
 
