@@ -73,8 +73,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             await _abort(ctx, code, message)
         left = ctx.time_remaining()
         if undo is not None and left is not None and left <= margin:
-            await asyncio.get_running_loop().run_in_executor(self._executor, _take_back, undo,
-                                                             work)
+            # Not awaited: a take-back queued behind busy workers must run even if this call is
+            # cancelled meanwhile (its deadline is that close); awaiting it let the cancel drop
+            # the queued job, and the pins stayed.
+            self._executor.submit(_take_back, undo, work)
             await _abort(ctx, grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
         return result
 
