@@ -1,5 +1,7 @@
 """Copies of keyed blocks between pool slots and CPU pages, gathered into engine batches.
 
+* ``send(core, batch, loan=None)``: a copy batch handed to the lanes, counted as copying through
+  its pool's memory until it completes (``DevicePool.copying``: a detach waits for it);
 * ``Copies(pool, direction, loan)``: ``add`` columns of copies, ``submit`` them as one batch
   (urgent for a load), launched on the caller's thread while it holds the lane on ``loan``
   (``kvtier/loan.py``), else queued; ``sent`` keeps each batch with its rows;
@@ -52,11 +54,24 @@ class Copies:
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
         self.sent.append((batch, rows))
-        pool.dev.copying += len(rows)  # until completed: a detach waits for them
-        if self.loan is not None and self.loan.launch(batch):
-            return [batch]
-        core.scheduler.submit([batch])
-        # Offer the interpreter to the lane now: the caller goes on with the next chunk's
-        # bookkeeping, and the launch should not wait a whole switch interval for it.
-        time.sleep(0)
+        if not send(core, batch, self.loan):
+            # Offer the interpreter to the lane now: the caller goes on with the next chunk's
+            # bookkeeping, and the launch should not wait a whole switch interval for it.
+            time.sleep(0)
         return [batch]
+
+
+def send(core: EngineCore, batch: Moves, loan: LaneLoan | None = None) -> bool:
+    """Hand a copy batch to the lanes (engine lock held): launched on ``loan`` (True) or
+    queued. Its pool's memory counts it as copying until it completes (a detach waits for
+    that); a batch that could not be handed over (a closed scheduler) is not counted."""
+    assert batch.pool is not None
+    batch.pool.copying += len(batch)
+    try:
+        if loan is not None and loan.launch(batch):
+            return True
+        core.scheduler.submit([batch])
+        return False
+    except BaseException:
+        batch.pool.copying -= len(batch)
+        raise

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.errors import InvalidArgument
+from kvtier.prefix.copies import send
 from kvtier.prefix.salt import salt_keys
 from kvtier.prefix.shared import Held, land, offer, unstage
 from kvtier.state.pool import Pool
@@ -116,8 +117,7 @@ def _copy_group(
     batch.copy, batch.urgent, batch.results = True, True, [None] * len(rows)
     with core.cond:
         prefix.pool(pool.pool_id)  # still attached (NotFound if detached meanwhile)
-        pool.dev.copying += len(rows)  # until completed: a detach waits for them
-        core.scheduler.submit([batch])
+        send(core, batch)
         prefix.wait([batch])
     results = batch.results or []
     return results.index(False) if False in results else len(results)

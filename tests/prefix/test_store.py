@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import pytest
+
+from kvtier.errors import Unavailable
 from kvtier.prefix.chunks import FIRST_CHUNK, chunk_sizes
 from kvtier.types import Tier
 from tests.conftest import PAGE
@@ -80,3 +83,15 @@ def test_a_key_stored_at_another_page_size_is_replaced_not_counted_as_stored(mak
         assert int(small.segments[0][s].min()) == int(small.segments[0][s].max()) == 20 + i
     assert engine.load(big.pool_id, keys, b_slots) == 0  # the other layout's pages are gone
     assert engine.stats().counters.drops.get("replaced") == 3
+
+
+def test_copies_that_could_not_be_handed_over_are_not_counted(make_engine):
+    """A Store whose batch the lanes refused (a closed scheduler) left its pool counted as
+    copying, and a later Detach would have waited for those copies forever."""
+    engine = make_engine(disk=False)
+    pool = engine.attach("t", 4)
+    slots = [s for _, s in engine.allocate(pool.pool_id, 2)]
+    engine._core.scheduler.close()
+    with pytest.raises(Unavailable):
+        engine.store(pool.pool_id, [b"a", b"b"], slots)
+    assert pool.dev.copying == 0
