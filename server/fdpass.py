@@ -85,7 +85,6 @@ def descriptor_limit() -> int:
 class _Conn:
     sock: socket.socket
     session: int
-    uid: int = -1  # the peer's user (SO_PEERCRED; -1 unknown)
     buf: bytearray = field(default_factory=bytearray)
     fds: list[int] = field(default_factory=list)
 
@@ -110,7 +109,7 @@ class FdExchange:
         self.tenant_sessions = max(1, self.max_conns // 4)
         self.user_sessions = max(1, self.max_conns // 2)
         self._tenants: dict[int, str] = {}  # live session holding a pool -> its tenant
-        self._uids: dict[int, int] = {}  # live session -> its peer's uid
+        self._uids: dict[int, int] = {}  # live session -> its peer's uid (SO_PEERCRED; -1 unknown)
         self._shares = threading.Lock()  # _tenants: the loop's redeems, the workers' Registers
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -182,8 +181,8 @@ class FdExchange:
             sock.close()
             return
         sock.setblocking(False)
-        conn = _Conn(sock, self.leases.open(), _peer_uid(sock))
-        self._uids[conn.session] = conn.uid
+        conn = _Conn(sock, self.leases.open())
+        self._uids[conn.session] = _peer_uid(sock)
         self._conns[conn] = None
         self._loop.add_reader(sock, self._readable, conn)
 

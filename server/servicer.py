@@ -210,11 +210,15 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     async def Acquire(self, req: pb.AcquireRequest, ctx: Ctx) -> pb.AcquireReply:
         remaining = ctx.time_remaining()
+
+        def undo(_: object = None) -> None:
+            self._engine.release(self._pool(req), validate.ids(req.page_ids, "page_ids"))
+
         fast = self._acquire_resident(req)
         if fast is not None:  # every page resident: no thread hop, no waiting
             left = ctx.time_remaining()
             if left is not None and left <= reply_margin(remaining):  # as _run takes back
-                self._engine.release(self._pool(req), validate.ids(req.page_ids, "page_ids"))
+                undo()
                 await _abort(ctx, grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
             return pb.AcquireReply(slots=fast)
 
@@ -229,9 +233,6 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             if slots is None:
                 raise shortfall(f"pool {pool} has too few unpinned slots for {len(pages)} pages")
             return pb.AcquireReply(slots=slots.tolist())
-
-        def undo(_: pb.AcquireReply) -> None:
-            self._engine.release(self._pool(req), validate.ids(req.page_ids, "page_ids"))
 
         return await self._run(ctx, call, undo)
 

@@ -21,6 +21,7 @@ global view (credentials on).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,9 +62,11 @@ def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool,
         raise CapacityError(f"num_slots: a pool of {nbytes} B does not fit the GPU pool budget")
 
 
+@functools.cache
 def mapping_budget() -> int:
     """Memory mappings the daemon's pools may hold in all: half the kernel's per-process limit
-    (``vm.max_map_count``), the rest kept for the daemon's own (tiers, libraries, threads)."""
+    (``vm.max_map_count``, read once), the rest kept for the daemon's own (tiers, libraries,
+    threads)."""
     try:
         limit = int(Path("/proc/sys/vm/max_map_count").read_text())
     except (OSError, ValueError):
