@@ -37,7 +37,6 @@ from .pidlock import PidLock, hold
 
 PSEUDO_FILESYSTEMS = ("/proc", "/sys")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-DISK_LOCK = LOCK_NAME
 
 
 def fail(name: str, problem: str) -> NoReturn:
@@ -102,10 +101,9 @@ def check_disk(config: OffloadConfig) -> None:
             os.unlink(probe)
     except OSError as exc:
         fail("disk_path", f"{path} is not a writable directory: {exc.strerror}")
-    foreign = foreign_entry(real)
+    foreign = foreign_entry(path)
     if foreign is not None:  # someone else's directory (``/``, a home): never taken over
-        fail("disk_path", f"{path} holds {foreign!r}, not the disk tier's: give the tier a "
-                          "directory of its own")
+        fail("disk_path", foreign)
     problem = unusable_file(real)
     if problem is not None:  # the operator's to fix: never deleted, never followed
         fail("disk_path", problem)
@@ -152,7 +150,7 @@ def take_locks(config: OffloadConfig, unix: list[str]) -> list[PidLock]:
         for path in unix:
             locks.append(hold(path + ".lock", setting("listen"), f"unix://{path}"))
         if config.disk_budget_bytes:
-            lock = os.path.join(os.path.realpath(config.disk_path), DISK_LOCK)
+            lock = os.path.join(os.path.realpath(config.disk_path), LOCK_NAME)
             locks.append(hold(lock, setting("disk_path"), config.disk_path))
     except ConfigError:
         for held in locks:

@@ -101,8 +101,7 @@ class DiskStore:
         self.path = os.fspath(path)
         foreign = foreign_entry(self.path) if os.path.isdir(self.path) else None
         if foreign is not None:
-            raise InvalidArgument("disk_path", f"{self.path} holds {foreign!r}, not the disk "
-                                  "tier's: give the tier a directory of its own")
+            raise InvalidArgument("disk_path", foreign)
         private_dir(self.path)
         self.budget_bytes = budget_bytes
         self.extent_bytes = max(ALIGN, extent_bytes)

@@ -13,8 +13,9 @@ Contract:
       ``s * stride``: the page size rounded up to ``ALIGN`` (O_DIRECT's unit), so a page size
       that is not a multiple of it (a registered pool's: a layer count times an odd per-layer
       size) is padded on disk.
-    * ``foreign_entry(directory)``: in a directory holding none of the store's files, an entry
-      other than ``LOCK_NAME``, a probe or ``lost+found``: the directory is not the tier's.
+    * ``foreign_entry(directory) -> str | None``: why the directory is not the tier's (it holds
+      none of the store's files and an entry other than ``LOCK_NAME``, a probe or
+      ``lost+found``), else None.
     * ``check_page_size(page_size)``: ``InvalidArgument`` unless positive.
 """
 
@@ -72,15 +73,17 @@ def unusable_file(directory: str) -> str | None:
 
 
 def foreign_entry(directory: str) -> str | None:
-    """An entry of ``directory`` that is not the store's (its files, the daemon's lock, a
-    probe) where none is the store's, or None: such a directory is someone else's (``/``, a
-    home, ``/tmp``), which the tier, tightening its mode and writing its files there, must never
-    take. A directory the store already uses keeps whatever else was put in it."""
+    """Why ``directory`` is not the tier's to take, or None: it holds an entry that is not the
+    store's (its files, the daemon's lock, a probe) and none that is. Such a directory is
+    someone else's (``/``, a home, ``/tmp``), which the tier, tightening its mode and writing
+    its files there, must never take; one the store already uses keeps whatever else is in it."""
     names = sorted(os.listdir(directory))
     if any(_is_own(name) for name in names):
         return None
-    return next((name for name in names if not (
+    other = next((name for name in names if not (
         name == LOCK_NAME or name in _TOLERATED or name.startswith(_PROBES))), None)
+    return None if other is None else (
+        f"{directory} holds {other!r}, not the disk tier's: give the tier a directory of its own")
 
 
 def _is_own(name: str) -> bool:
