@@ -68,6 +68,8 @@ class Residency:
                 make_room(core, pool, n - pool.dev.num_free)
                 if not _wait(core, deadline):
                     return None
+                if pool.detaching:  # a Detach came while this waited: nothing new out of it
+                    raise NotFound(f"pool {pool_id} not found")
             slots = pool.dev.take(n)
             assert slots is not None
             prio = pool.default_priority if priority is None else priority
