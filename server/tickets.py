@@ -12,6 +12,10 @@ Contract:
       tenant's ticket (nothing changes then).
     * ``renewable(ticket, tenant) -> pool_id | None``: a redeemed ticket keeps proving that its
       holder leased the pool (no memory comes with it), until ``forget_pool(pool_id)``.
+    * ``forget_pool(pool_id)``: the pool is gone (detached): its ticket, redeemed or not, is
+      dropped and the descriptor an unredeemed one held is closed (it would otherwise keep the
+      pool's memory for the rest of the ticket's ``ttl``: a client attaching and detaching
+      without redeeming piled up one descriptor per pool).
     * ``deposit(tenant, fd, conn) -> ticket | None``: a client's memfd (the registry owns ``fd``
       from here on, even on ``None``: at most ``MAX_DEPOSITS`` per connection and
       ``max_total`` in all, each holding a daemon descriptor until taken or expired). With
@@ -60,13 +64,15 @@ class Tickets:
         self._pools: dict[bytes, _Entry] = {}
         self._deposits: dict[bytes, _Entry] = {}
         self._renewals: dict[bytes, tuple[str, int]] = {}  # redeemed: key -> (tenant, pool)
-        self._pool_keys: dict[int, bytes] = {}
+        self._pool_keys: dict[int, bytes] = {}  # redeemed: pool -> key
+        self._issued: dict[int, bytes] = {}  # unredeemed: pool -> key
 
     def issue(self, tenant: str, pool_id: int, fd: int) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
         entry = _Entry(tenant, os.dup(fd) if fd >= 0 else -1, time.monotonic() + self.ttl, pool_id)
         with self._lock:
             self._pools[_key(ticket)] = entry
+            self._issued[pool_id] = _key(ticket)
         return ticket
 
     def redeem(self, ticket: bytes, tenant: str) -> tuple[int, int] | None:
@@ -74,6 +80,7 @@ class Tickets:
         if entry is None:
             return None
         with self._lock:
+            self._issued.pop(entry.pool_id, None)
             self._renewals[_key(ticket)] = (tenant, entry.pool_id)
             self._pool_keys[entry.pool_id] = _key(ticket)
         return entry.pool_id, entry.fd
@@ -97,6 +104,10 @@ class Tickets:
             key = self._pool_keys.pop(pool_id, None)
             if key is not None:
                 self._renewals.pop(key, None)
+            key = self._issued.pop(pool_id, None)
+            entry = self._pools.pop(key, None) if key is not None else None
+        if entry is not None and entry.fd >= 0:
+            os.close(entry.fd)
 
     def deposit(self, tenant: str, fd: int, conn: int) -> bytes | None:
         ticket = secrets.token_bytes(TICKET_BYTES)
@@ -154,6 +165,9 @@ class Tickets:
             old_pools = [k for k, e in self._pools.items() if e.expires < now]
             old_deps = [k for k, e in self._deposits.items() if e.expires < now]
             pools = [self._pools.pop(k) for k in old_pools]
+            for k, e in zip(old_pools, pools, strict=True):
+                if self._issued.get(e.pool_id) == k:
+                    del self._issued[e.pool_id]
             deps = [self._deposits.pop(k) for k in old_deps]
         for e in pools + deps:
             if e.fd >= 0:
@@ -165,6 +179,7 @@ class Tickets:
             entries = [*self._pools.values(), *self._deposits.values()]
             self._pools.clear()
             self._deposits.clear()
+            self._issued.clear()
         for e in entries:
             if e.fd >= 0:
                 os.close(e.fd)

@@ -6,12 +6,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import grpc
 from kvtier.client import Attachment, KVTierClient
 from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon, daemon_env
 
 from kvtier.errors import NotFound
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 BLOCK = 1 << 20
 N = 128  # blocks: the whole CPU tier
@@ -117,3 +121,26 @@ def test_two_detaches_of_one_pool_answer_once_and_not_found(
                 th.join(20)
             assert sorted(out) == ["not found", "ok"], out
     assert "Traceback" not in d.output()
+
+
+def test_pools_attached_and_detached_without_redeeming_leave_no_descriptors(
+        spawn: Callable[..., Daemon]) -> None:
+    """Each Attach's ticket held a copy of the pool's memfd until it expired (30 s), Detach or
+    not: a client attaching and detaching in a loop without redeeming held the daemon's
+    descriptors by the thousand. Now a Detach closes its pool's unredeemed ticket."""
+    d = spawn(pool_pages=64, cpu_pages=64)
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVTierStub(ch)
+        stub.Detach(pb.DetachRequest(pool=_attached(stub)), timeout=10)  # warm
+        before = len(list(fds.iterdir()))
+        for _ in range(200):
+            stub.Detach(pb.DetachRequest(pool=_attached(stub)), timeout=10)
+        assert len(list(fds.iterdir())) < before + 20
+    assert "Traceback" not in d.output()
+
+
+def _attached(stub: pb_grpc.KVTierStub) -> pb.PoolRef:
+    reply = stub.Attach(pb.AttachRequest(tenant="t", num_pages=4), timeout=10)
+    assert reply.lease.ticket  # issued, never redeemed
+    return pb.PoolRef(tenant="t", pool_id=reply.pool_id, instance=reply.instance)

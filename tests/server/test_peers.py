@@ -131,7 +131,9 @@ def test_a_call_cancelled_before_its_reply_leaves_nothing_held(
         assert got is not None
         ids = [p for p, _ in got]
         owner.release(att, ids)
-        assert owner.offload(att, ids) == n
+        # The pool is full, so the watermarks may have queued its coldest fifth already
+        # (52 of 256 in one CI run): offload queues the rest; all of them reach the CPU tier.
+        assert 0 < owner.offload(att, ids) <= n
         deadline = time.monotonic() + 30
         while set(owner.page_tiers(att, ids)) != {Tier.CPU}:
             assert time.monotonic() < deadline, "the pages never reached the CPU tier"

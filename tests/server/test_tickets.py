@@ -106,3 +106,22 @@ def test_leases_orphan_reap_rebind() -> None:
     leases.forget(12)
     assert leases.close(s2) == [11]
     assert not leases.bind(13, s1)  # binding to a closed session orphans at once
+
+
+def test_a_detached_pools_unredeemed_ticket_closes_its_descriptor(pool_fd: int) -> None:
+    """A client that attached and detached without redeeming left the registry's copy of the
+    pool's descriptor open for the ticket's 30 s (14,875 descriptors at ~600 attaches a second):
+    forgetting the pool closes it, and the ticket is dead."""
+    t = Tickets()
+    open_fds = len(os.listdir("/proc/self/fd"))
+    tickets = [t.issue("a", pool, pool_fd) for pool in range(1, 65)]
+    assert len(os.listdir("/proc/self/fd")) == open_fds + 64
+    for pool in range(1, 65):
+        t.forget_pool(pool)
+    assert len(os.listdir("/proc/self/fd")) == open_fds
+    assert all(t.redeem(ticket, "a") is None for ticket in tickets)
+    assert t.expire(time.monotonic() + 3600) == []  # nothing left to expire (or close twice)
+    again = t.issue("a", 1, pool_fd)  # the id reused by a new pool: its own ticket
+    got = t.redeem(again, "a")
+    assert got is not None and got[0] == 1
+    os.close(got[1])
