@@ -66,7 +66,9 @@ def test_a_peer_without_the_token_gets_no_body_read(tcp: tuple[Daemon, str]) -> 
     for t in threads:
         t.join()
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 18
-    assert peak_rss_mib(d) - before < 120, "the daemon read bodies it refused"
+    # Bodies read and parsed (the same calls with the token): +1.1-1.3 GiB of peak RSS. Refused
+    # unread: +20-230 MiB (gRPC's transport buffers what is in flight; 120 was passed in CI).
+    assert peak_rss_mib(d) - before < 400, "the daemon read bodies it refused"
     with d.client("t") as c:  # a unix peer: read and served, unary and streamed replies
         assert c.lookup([b"nothing-stored"]) == []
         att = c.attach(2)
