@@ -13,6 +13,9 @@ Contract (that of ``kvtier.tiers.keyed.KeyedMedium``, plus):
       that window answer misses at once (no call waits on a store known to be down), the next call
       after it tries again, so the medium reconnects by itself. Per-command errors (OOM, a slot
       whose node is gone) fail only their own items.
+    * With no call for ``probe_s``, a PING asks the store (reconnecting if it was down), so
+      ``health().reachable`` (``kvtier_remote_up``, status) is never older than ``probe_s`` plus
+      the timeout: it said "up" for as long as the daemon made no call after the store died.
     * Faults are counted by kind (``connection``, ``timeout``, ``oom``, ``cluster``, ``other``);
       nothing logged names the password.
 """
@@ -37,12 +40,13 @@ from kvtier.tiers.keyed import KeyedMedium, MediumHealth, Value
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0
+PROBE_S = 5.0
 
 
 class RedisMedium(KeyedMedium):
     def __init__(
         self, url: str, *, password: str | None, timeout_s: float,
-        retry_after_s: float = RETRY_AFTER_S,
+        retry_after_s: float = RETRY_AFTER_S, probe_s: float = PROBE_S,
     ) -> None:
         self._url, self._password, self._timeout = url, password, timeout_s
         self._getrange = True  # False once the ACL user was refused GETRANGE (then GET)
@@ -57,8 +61,29 @@ class RedisMedium(KeyedMedium):
         self._closed = False
         self._connecting = False
         self.cluster = False
+        self._probe_s, self._answered = probe_s, 0.0  # monotonic time of the last answer/fault
+        self._stop = threading.Event()
         # Connect now, in the background: status shows the store's state from the start.
         threading.Thread(target=self._get, name="kvtier-remote-connect", daemon=True).start()
+        threading.Thread(target=self._probe, name="kvtier-remote-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._stop.wait(self._probe_s):
+            if time.monotonic() - self._answered < self._probe_s:
+                continue  # calls answer for the store's state
+            client = self._get()
+            if client is None:
+                continue  # down (counted), or in its back-off
+            try:
+                _CALL.deadline = time.monotonic() + self._timeout
+                client.ping()
+            except Exception as exc:
+                with self._lock:
+                    self._fault_locked(exc)
+                continue
+            finally:
+                _CALL.deadline = 0.0
+            self._ok()
 
     # -- connection ----------------------------------------------------------------------------
     def _options(self) -> dict[str, Any]:
@@ -113,6 +138,7 @@ class RedisMedium(KeyedMedium):
             return client
 
     def _fault_locked(self, exc: BaseException, node: str = "") -> str:
+        self._answered = time.monotonic()
         kind = _kind(exc)
         self._errors[kind] = self._errors.get(kind, 0) + 1
         if kind in ("connection", "timeout", "cluster"):
@@ -134,6 +160,7 @@ class RedisMedium(KeyedMedium):
 
     def _ok(self) -> None:
         with self._lock:
+            self._answered = time.monotonic()
             if not self._reachable:
                 log.info("remote store reachable%s", " (cluster)" if self.cluster else "")
             self._reachable = True
@@ -248,6 +275,7 @@ class RedisMedium(KeyedMedium):
             return MediumHealth(self._reachable, dict(self._errors))
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             if self._client is not None:

@@ -274,3 +274,25 @@ def test_a_reply_trickled_a_byte_at_a_time_ends_at_the_calls_deadline() -> None:
         m.close()
     finally:
         store.stop()
+
+
+def test_health_follows_the_store_with_no_calls(server: RedisServer) -> None:
+    """``reachable`` (kvtier_remote_up, status) said "up" for as long as no call was made after
+    the store died, and "down" after it came back until the next call: a probe now asks an idle
+    store every ``probe_s``."""
+    m = medium(server.url, probe_s=0.2)
+    try:
+        assert m.put_many(items(2)) == 2 and m.health().reachable
+        server.stop()
+        deadline = time.monotonic() + 5
+        while m.health().reachable:
+            assert time.monotonic() < deadline, "still 'up' with the store stopped"
+            time.sleep(0.05)
+        assert m.health().errors.get("connection", 0) >= 1
+        server.start()
+        deadline = time.monotonic() + 5
+        while not m.health().reachable:
+            assert time.monotonic() < deadline, "still 'down' with the store back"
+            time.sleep(0.05)
+    finally:
+        m.close()
