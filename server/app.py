@@ -28,7 +28,13 @@ from kvtier.v1 import kvtier_pb2, kvtier_pb2_grpc
 from .auth import TokenAuth
 from .credentials import TenantCredentials
 from .fastlane import FastLane, lane_path
-from .fdpass import FdExchange, descriptor_limit, descriptor_shares, session_paths
+from .fdpass import (
+    FdExchange,
+    descriptor_limit,
+    descriptor_shares,
+    grpc_connections,
+    session_paths,
+)
 from .interceptors import Gate, Observe
 from .servicer import KVTierServicer
 from .tenancy import Tenancy
@@ -128,19 +134,21 @@ def create_server(
     tenants = TenantCredentials.load(config.tenants_file) if config.tenants_file else None
     if tenants is not None:
         log.info("tenant credentials checked on every call (%s)", config.tenants_file)
+    fd_limit = descriptor_limit()
     server = grpc.aio.server(
         interceptors=[Gate(TokenAuth(token), draining, observe, tenants,
                            Turns(config.calls_per_tenant))],
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0),
+                 ("grpc.max_allowed_incoming_connections", grpc_connections(fd_limit)),
                  *peer_bounds(config.keepalive_s)],
     )
     executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvtier-rpc")
     instance = uuid.uuid4().hex
     path = lane_path(addrs)
-    conns, _ = descriptor_shares(descriptor_limit())  # as many as the session socket takes
+    conns, _ = descriptor_shares(fd_limit)  # as many as the session socket takes
     lane = FastLane(engine, path, observe, conns) if path is not None else None
-    sessions = _sessions(config, engine, lane, executor, addrs)
+    sessions = _sessions(config, engine, lane, executor, addrs, fd_limit)
     tenancy = Tenancy(engine, instance)
     watches = WatchHub(engine, tenancy.owner, executor, draining, config.max_watches)
     servicer = KVTierServicer(
@@ -177,7 +185,7 @@ def peer_bounds(keepalive_s: float) -> list[tuple[str, int]]:
 
 
 def _sessions(config: OffloadConfig, engine: Any, lane: FastLane | None,
-              executor: ThreadPoolExecutor, addrs: list[str]) -> FdExchange | None:
+              executor: ThreadPoolExecutor, addrs: list[str], fd_limit: int) -> FdExchange | None:
     """The session socket(s): pool memory as descriptors, and leases that detach pools."""
     paths = session_paths(addrs)
     if not paths:
@@ -189,7 +197,7 @@ def _sessions(config: OffloadConfig, engine: Any, lane: FastLane | None,
             lane.revoke(pool_id)
 
     return FdExchange(paths, lease_s=config.lease_s, detach=detach, executor=executor,
-                      fd_limit=descriptor_limit())
+                      fd_limit=fd_limit)
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

@@ -68,6 +68,14 @@ def descriptor_shares(limit: int) -> tuple[int, int]:
     return max(8, min(MAX_CONNS, limit // 8)), max(16, limit // 4)
 
 
+def grpc_connections(limit: int) -> int:
+    """Connections the gRPC listeners take at most (a quarter of ``limit``): without a cap, raw
+    connections by the thousand (no token needed to open one) ran the daemon out of descriptors,
+    so nothing could attach, open a file or map a pool until keepalive dropped them. At the cap
+    a new connection is closed at once; connections already open keep working."""
+    return max(16, limit // 4)
+
+
 def descriptor_limit() -> int:
     """This process's descriptor limit (soft), raised to the hard limit first where it is
     lower (a daemon serving many clients wants them all; the shell's default is often 1024)."""

@@ -4,6 +4,8 @@ and a bad Health body is an INVALID_ARGUMENT, not a logged traceback. Real daemo
 
 from __future__ import annotations
 
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier_daemon_fixture import Daemon, free_port, health_status, serve_args
 
+from kvtier.errors import KVTierError
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -205,3 +208,46 @@ def test_an_acquire_its_caller_saw_time_out_holds_no_pin(
                 assert time.monotonic() < deadline, f"round {i}: {pinned} pinned"
                 time.sleep(0.02)
     assert "Traceback" not in d.output()
+
+
+def test_a_connection_flood_stays_within_a_share_of_the_descriptor_limit(
+        spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    """Raw connections to the gRPC socket (an HTTP/2 preface each, no token or tenant needed)
+    took a descriptor each up to the process limit: the daemon logged "File descriptor limit
+    reached" in a loop and nothing could attach until keepalive dropped them (~40 s). Now the
+    gRPC listeners take at most a quarter of the limit; open channels keep working; the
+    daemon is itself again as soon as the flood ends."""
+    limit = 512  # gRPC connections: 128
+    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())
+    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]])
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    with d.client("owner") as owner:
+        owner.stats()  # its channel is open
+        base = len(list(fds.iterdir()))
+        flood = []
+        for _ in range(limit):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            try:
+                s.connect(d.address[len("unix://"):])
+                s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            except OSError:
+                s.close()
+                continue
+            flood.append(s)
+        time.sleep(1.0)
+        assert len(list(fds.iterdir())) - base <= limit // 4 + 8
+        assert owner.stats().pools == 0  # an open channel is served
+        for s in flood:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with d.client("late", timeout=2) as late:
+                    late.attach(2)
+                break
+            except (grpc.RpcError, KVTierError):
+                assert time.monotonic() < deadline, "no new client served after the flood"
+    assert "File descriptor limit reached" not in d.output() and d.proc.poll() is None
