@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 from kvtier.errors import DeadlineExceeded
 
+from .unixsock import connect_unix
+
 REQUEST = struct.Struct("<BHQ16s")
 REPLY = struct.Struct("<BH")
 ACQUIRE, RELEASE = 1, 2
@@ -122,13 +124,7 @@ class FastLaneClient:
     def _socket(self) -> socket.socket:
         sock = getattr(self._local, "sock", None)
         if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self._timeout)
-            try:
-                sock.connect(self.path)
-            except OSError:
-                sock.close()
-                raise
+            sock = connect_unix(self.path, self._timeout)
             self._local.sock = sock
         return sock
 

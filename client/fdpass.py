@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 from kvtier.errors import FailedPrecondition, Unavailable
 
+from .unixsock import connect_unix
+
 TICKET_BYTES = 32
 REQUEST = struct.Struct(f"<BB{TICKET_BYTES}s")
 REPLY = struct.Struct(f"<B{TICKET_BYTES}s")
@@ -102,10 +104,8 @@ class Session:
             self._leases.clear()
             self._pid = os.getpid()
         if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self._timeout)
+            sock = connect_unix(self.path, self._timeout)
             try:
-                sock.connect(self.path)
                 self._renew(sock)
             except OSError:
                 sock.close()

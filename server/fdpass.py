@@ -154,7 +154,7 @@ class FdExchange:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(path)
             os.chmod(path, 0o660)
-            sock.listen(128)
+            sock.listen(socket.SOMAXCONN)  # the kernel caps it (net.core.somaxconn)
             sock.setblocking(False)
             self._listeners.append(sock)
             self._loop.add_reader(sock, self._accept, sock)
