@@ -111,7 +111,7 @@ class TierEngine:
             raise InvalidArgument("num_slots", f"must be a positive integer, got {num_slots}")
         with self._core.cond:
             self._core_open()
-            admit_pool(self._core, tenant, num_slots * size, external=False)
+            admit_pool(self._core, tenant, num_slots * size, external=False, slots=num_slots)
             dev = DevicePool.allocate(num_slots, size, where)
             return self._add_pool(tenant, dev, default_priority, external=False)
 
@@ -132,7 +132,7 @@ class TierEngine:
             self._core_open()
             try:
                 admit_pool(self._core, tenant, dev.num_slots * dev.page_size, external=True,
-                           mappings=dev.mappings)
+                           slots=dev.num_slots, mappings=dev.mappings)
             except CapacityError:
                 dev.close()
                 raise

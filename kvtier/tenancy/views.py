@@ -5,7 +5,8 @@ Contract (both run with the engine lock held):
       ``nbytes`` does not fit the tenant's GPU quota (the message names the tenant's quota and
       its own use) or the daemon's GPU pool budget (the message names no other tenant's use
       and no free bytes: how full the daemon is belongs to the global view), or its memory
-      mappings (``mappings=``) the tenant's quarter of ``mapping_budget()`` or the budget.
+      mappings (``mappings=``) the tenant's quarter of ``mapping_budget()`` or the budget, or
+      its slots (``slots=``) the tenant's quarter of ``SLOT_BUDGET`` or the budget.
     * ``tenant_stats(core, tenant)`` is the tenant's own snapshot: its pools, its pages and bytes
       per tier (capacity: its quota, else the tier's size), its pinned and keyed pages, its
       moves, hits, misses, evictions and drops, and each direction's measured cost
@@ -36,18 +37,24 @@ if TYPE_CHECKING:
     from kvtier.core import EngineCore
     from kvtier.state.pool import Pool
 
+# Slots every pool holds in all: each costs the daemon ~9 bytes of its own memory (a page-table
+# row and a free flag) whoever owns the pool's memory, so registered pools of sparse memfds cost
+# their client nothing and the daemon ~150 MB each. 2**26 slots: at most ~600 MB in all.
+SLOT_BUDGET = 1 << 26
+
 
 def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool,
-               mappings: int = 1) -> None:
+               slots: int, mappings: int = 1) -> None:
     """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota, the tenant's pool count
     (``max_pools_per_tenant``), its share of the daemon's memory mappings (``mappings``: the
-    pool's own) or the budget."""
+    pool's own) or of its slots (``slots``), or the budget."""
     pools = [p for p in core.pools.values() if p.tenant == tenant]
     most = core.config.max_pools_per_tenant
     if len(pools) >= most:
         raise CapacityError(f"tenant {tenant!r} holds {len(pools)} pools, the most one tenant may "
                             f"(KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT={most}); detach one first")
     _admit_mappings(core, pools, mappings)
+    _admit_slots(core, pools, slots)
     mine = sum(p.num_slots * p.page_size for p in pools)
     limit = core.ledger.quota(tenant).gpu
     if limit is not None and mine + nbytes > limit:
@@ -85,6 +92,17 @@ def _admit_mappings(core: EngineCore, mine: list[Pool], new: int) -> None:
                             f"share ({held} of {budget // 4} held); use fewer separate buffers")
     if sum(p.dev.mappings for p in core.pools.values()) + new > budget:
         raise CapacityError("segments: the daemon holds all the memory mappings it may")
+
+
+def _admit_slots(core: EngineCore, mine: list[Pool], new: int) -> None:
+    """A tenant's pools hold at most a quarter of ``SLOT_BUDGET`` (one pool of the most slots
+    a pool may have), the daemon's at most all."""
+    held = sum(p.num_slots for p in mine)
+    if held + new > SLOT_BUDGET // 4:
+        raise CapacityError(f"num_slots: {new} more slots would exceed the tenant's share "
+                            f"({held} of {SLOT_BUDGET // 4} held); detach a pool first")
+    if sum(p.num_slots for p in core.pools.values()) + new > SLOT_BUDGET:
+        raise CapacityError("num_slots: the daemon's pools hold all the slots they may")
 
 
 def tenant_stats(core: EngineCore, tenant: str) -> EngineStats:

@@ -23,6 +23,7 @@ from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon
 
 from kvtier.errors import FailedPrecondition, NotFound
+from kvtier.tiers import memfd
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -293,3 +294,45 @@ def test_segments_of_one_memfd_cost_the_daemon_one_mapping(
         assert _maps(d) - before < 64, (before, _maps(d))  # was 4,096 a Register
         assert other.attach(SLOTS).num_slots == SLOTS
     assert "Traceback" not in d.output()
+
+
+def test_registered_slots_are_a_bounded_share_of_the_daemons_memory(
+        spawn: Callable[..., Daemon]) -> None:
+    """A slot costs the daemon ~9 bytes of its own (page table, free flags) whoever owns the
+    memory: Registers of a sparse 64 GiB memfd (2**24 slots, nothing touched) took ~147 MB of
+    the daemon each, 64 pools a tenant and without bound across free tenant names. Now one
+    tenant's pools hold at most a quarter of the daemon's slot budget (2**24), all at most
+    2**26; past that, RESOURCE_EXHAUSTED naming num_slots, and the other tenants still register."""
+    d = spawn()
+    slots = 1 << 24
+    fd = memfd.create(slots * 4096, "sparse")
+    s = session(d)
+
+    def register(tenant: str, n: int) -> pb.AttachReply:
+        seg = pb.Segment(num_slots=n, slot_bytes=4096, slot_stride=4096,
+                         memfd_ticket=s.deposit(fd, tenant))
+        with grpc.insecure_channel(d.address) as ch:
+            return pb_grpc.KVTierStub(ch).Register(
+                pb.RegisterRequest(tenant=tenant, segments=[seg]), timeout=60)
+
+    try:
+        before = _rss_mib(d)
+        assert register("hog", slots).num_slots == slots
+        for _ in range(4):
+            with pytest.raises(grpc.RpcError) as err:
+                register("hog", slots)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "num_slots" in (err.value.details() or "")
+        assert register("other", 4).num_slots == 4
+        assert _rss_mib(d) - before < 400, "refused Registers kept the daemon's memory"
+    finally:
+        s.close()
+        os.close(fd)
+    assert "Traceback" not in d.output()
+
+
+def _rss_mib(d: Daemon) -> float:
+    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
