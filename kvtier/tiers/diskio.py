@@ -207,30 +207,47 @@ def file_kind(mode: int) -> str:
 def open_private(path: str, flags: int) -> int:
     """``open_regular(path, flags | O_CREAT)`` of a tier file, made private (``private_fd``)."""
     fd = open_regular(path, flags | os.O_CREAT)
-    private_fd(fd, path)  # an existing file keeps its old mode through O_CREAT
+    try:
+        private_fd(fd, path)  # an existing file keeps its old mode through O_CREAT
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
 def private_fd(fd: int, path: str) -> None:
-    """An open file of the tier: no "other" bits and no group write, whatever made it. A file
-    this process may use but not chmod (another owner) is used as it is, with a warning."""
-    mode = os.fstat(fd).st_mode & 0o7777
+    """An open file of the tier: ours (``PermissionError`` naming ``path`` and its owner
+    otherwise), with no "other" bits and no group write, whatever made it. A file another
+    user made (in a directory it could write, before the daemon wrote there) was used as it
+    was: its owner read every page written to it."""
+    st = os.fstat(fd)
+    problem = _not_ours(path, st.st_uid)
+    if problem is not None:
+        raise PermissionError(errno.EPERM, problem, path)
+    mode = st.st_mode & 0o7777
     if mode & 0o027:
-        try:
-            os.fchmod(fd, mode & 0o640)
-        except PermissionError:
-            log.warning("disk tier file %s is mode %o and not ours to tighten", path, mode)
+        os.fchmod(fd, mode & 0o640)
+
+
+def _not_ours(path: str, uid: int) -> str | None:
+    me = os.geteuid()
+    if uid == me:
+        return None
+    return (f"{path} belongs to uid {uid}, not to this daemon's uid {me}: its owner could read "
+            "every page written to it; remove it (or chown it to the daemon's user)")
 
 
 def entry_problem(path: str, flags: int | None) -> str | None:
     """Why the tier could not use the entry at ``path`` (absent is fine): anything but a regular
-    file, or one that ``flags`` (``O_RDONLY``/``O_RDWR``; None: no open is tried) can't open."""
+    file, another user's file, or one that ``flags`` (``O_RDONLY``/``O_RDWR``; None: no open is tried) can't open."""
     try:
-        mode = os.lstat(path).st_mode
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(mode):
-        return f"{path} is a {file_kind(mode)}, not a regular file: move it out of the way"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is a {file_kind(st.st_mode)}, not a regular file: move it out of the way"
+    if (problem := _not_ours(path, st.st_uid)) is not None:
+        return problem
     if flags is None:
         return None
     try:

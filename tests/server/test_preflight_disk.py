@@ -4,6 +4,7 @@ followed (its target is neither chmodded nor written)."""
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 from pathlib import Path
@@ -83,3 +84,21 @@ def test_a_directory_the_tier_already_uses_keeps_what_else_is_in_it(tmp_path: Pa
     (empty / "notes.txt").write_text("x")
     with pytest.raises(ConfigError, match=r"holds 'notes\.txt'"):
         check_disk(config(empty))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")
+def test_serve_refuses_a_page_file_another_user_planted(tmp_path: Path) -> None:
+    """Its owner could read every page the daemon wrote to it (a probe read another tenant's
+    bytes from one planted in a shared directory): one line naming the file and its owner."""
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o777)
+    planted = disk / f"pages-{PAGE}.dat"
+    planted.write_bytes(b"")
+    os.chown(planted, 65534, 65534)
+    planted.chmod(0o666)
+    args = serve_args(tmp_path, disk=disk, metrics_port=free_port())
+    proc = subprocess.run(args, env=daemon_env(), capture_output=True, text=True, timeout=60)
+    lines = (proc.stderr + proc.stdout).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"kvtier serve: {SETTING}{planted} belongs to uid 65534")
+    assert planted.stat().st_size == 0

@@ -146,3 +146,31 @@ def test_a_file_the_store_may_not_open_is_one_clear_error(
             DiskStore(disk, 1 << 20, direct_io=False)
     finally:
         (disk / name).chmod(0o600)
+
+
+needs_chown = pytest.mark.skipif(os.geteuid() != 0, reason="planting another's file needs root")
+
+
+@needs_chown
+def test_a_file_another_user_planted_is_never_written(tmp_path: Path) -> None:
+    """In a directory others may write (the daemon can't tighten one it doesn't own), another
+    user made a page file the tier then used as it was: its owner read every page written to it.
+    Now such a file is refused at start, and at run time the page size gets no slots (no byte
+    written to it) while the other sizes work."""
+    disk = tmp_path / "disk"
+    filled(disk)
+    planted = disk / f"pages-{PS}.dat"
+    os.chown(planted, 65534, 65534)
+    problem = unusable_file(str(disk))
+    assert problem is not None and "belongs to uid 65534" in problem
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        DiskStore(disk, 1 << 20, direct_io=False)
+    late = tmp_path / "late"
+    late.mkdir(mode=0o777)
+    with DiskStore(late, 1 << 20, direct_io=False) as store:
+        (late / f"pages-{PS}.dat").write_bytes(b"")
+        os.chown(late / f"pages-{PS}.dat", 65534, 65534)
+        (late / f"pages-{PS}.dat").chmod(0o666)
+        assert store.alloc(PS, 2) is None
+        assert (late / f"pages-{PS}.dat").stat().st_size == 0
+        assert store.alloc(2 * PS, 1) is not None
