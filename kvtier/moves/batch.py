@@ -181,6 +181,11 @@ class BulkMoves:
             return
         place = self._place
         src, dst = direction._value_
+        if place.keeps_copies(src, dst):  # keyed pages keep their slots there (placement.py)
+            keyed = place.table.pool[rows] == 0
+            if keyed.any():
+                place.keep_copies(rows[keyed], srcs[keyed], size)
+                srcs = srcs[~keyed]
         frees.add(src, pool, size, srcs)
         place.settle(rows, dst, dsts, pool)
         if dst in place.media:  # a slot medium below the CPU keeps keyed pages' records

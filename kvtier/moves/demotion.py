@@ -131,6 +131,9 @@ class Cascade:
         many as there are, one at a time. ``owners``: tenants whose pages may make the room
         (with quotas)."""
         got = self._alloc(tier, page_size, n)
+        if got is None and tier == self._place.record_level and (
+                self._place.reclaim_copies(page_size, n)):  # copies give way first
+            got = self._alloc(tier, page_size, n)
         if got is None:
             # Below the CPU, with a level under it: room already on its way (pages moving
             # down out of it) counts, or each retry would push yet more pages down the chain.
@@ -189,6 +192,7 @@ class Cascade:
             place.drop(rows, _full(tier))
             return
         if tier == Tier.CPU:
+            rows = self._back_on_copies(rows, below, page_size)
             rows = self._admitted(rows)
         if place.ledger.active:
             rows = self.fit_quotas(below, rows, page_size)
@@ -202,6 +206,21 @@ class Cascade:
         if len(dsts) < len(rows) and self._below(below) is None:
             place.drop(rows[len(dsts) :], _full(below))
         self._starter.start_many(rows[: len(dsts)], Direction((tier, below)), dsts, urgent=False)
+
+    def _back_on_copies(self, rows: np.ndarray, below: int, page_size: int) -> np.ndarray:
+        """CPU victims whose bytes are still at ``below`` (copies) settle there again, without
+        a write or the admission rule's say; the others are returned."""
+        place = self._place
+        if below != place.record_level:
+            return rows
+        copied = place.has_copy(rows, page_size)
+        if not copied.any():
+            return rows
+        back = rows[copied]
+        if place.ledger.active:
+            back = self.fit_quotas(below, back, page_size)
+        place.settle_on_copies(back, page_size)
+        return rows[~copied]
 
     def _admitted(self, rows: np.ndarray) -> np.ndarray:
         """The CPU victims the admission rule lets below the CPU; the others are dropped."""

@@ -5,7 +5,9 @@ With a medium below the CPU whose records survive a restart (``Placement.record_
 disk store, wherever the chain puts it) and disk admission other than ``never``, every settled,
 unprotected keyed page in the CPU tier is moved straight to that medium (the admission rule is
 not asked: the alternative is losing it), using its free slots first, then room made by its
-policy (only keyed pages survive a restart, so little of value is given up for them). Tenants'
+policy (only keyed pages survive a restart, so little of value is given up for them); a page
+read up from that medium whose copy is still there settles on it again (``Placement``'s copies:
+no write, no new record). Tenants'
 disk quotas hold: what a quota refuses is dropped as ``tenant_quota``, as the cascade does. It
 waits at most ``seconds``: moves still queued then are cancelled (their pages stay in the CPU
 tier and die with the process). Pages left in the CPU tier are counted as ``shutdown`` drops and
@@ -104,9 +106,21 @@ def _start(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
     """Queue the moves of as many of ``rows`` as the disk takes; the rows started."""
     level = core.record_level
     assert level is not None
-    disk = core.media[level]
     if core.ledger.active:  # tenants' disk quotas hold at shutdown too
         rows = core.cascade.fit_quotas(level, rows, page_size)
+    copied = core.has_copy(rows, page_size)
+    if copied.any():  # their bytes and records are on disk already: they settle there again
+        core.settle_on_copies(rows[copied], page_size)
+        return np.concatenate([rows[copied], _start_moves(core, rows[~copied], page_size)])
+    return _start_moves(core, rows, page_size)
+
+
+def _start_moves(core: EngineCore, rows: np.ndarray, page_size: int) -> np.ndarray:
+    level = core.record_level
+    assert level is not None
+    if not len(rows):
+        return rows
+    disk = core.media[level]
     slots = disk.alloc(page_size, len(rows))
     if slots is None:
         owners = np.unique(core.table.owner[rows])

@@ -17,10 +17,19 @@ Contract (every method runs with the engine lock held):
       (``groups`` splits any rows so).
     * ``pin``/``unpin``/``land``/``protect``/``unprotect`` keep the pools' pinned counts in step
       with the table's pins.
+    * Copies: a keyed page read up from the record level (the first medium whose records survive
+      a restart, when it is the one right under the CPU) into the CPU tier keeps its slot and
+      record there (``keep_copies``), so a crash still finds it (it was the hottest keys a
+      kill -9 lost). Going back down it settles on that slot without a write
+      (``settle_on_copies``); leaving the CPU tier any other way (``release``, ``drop``) frees
+      it; a full record level takes its room from copies first (``reclaim_copies``): losing
+      one costs a crash's durability, never a hit. A copy is not in the tenant ledger (its
+      disk quota): copies are bounded by the tenant's CPU-tier pages.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -72,6 +81,8 @@ class Placement:
         self.record_level = next(
             (BELOW_CPU + i for i, m in enumerate(below) if m.keeps_records), None)
         self.level_evictions = [0] * len(self.chain)
+        # page size -> keyed CPU row -> its slot at ``record_level`` (oldest first).
+        self.copies: dict[int, OrderedDict[int, int]] = {}
         # (level, page size) -> pages moving down out of a medium: room on its way there.
         self.leaving: dict[tuple[int, int], int] = {}
         create_row_policy(config.policy)  # fail at start on an unknown name
@@ -165,6 +176,7 @@ class Placement:
     def release(self, rows: np.ndarray) -> None:
         """Forget settled or dropped pages (never moving ones) and free their slots."""
         t = self.table
+        self.free_copies(rows)
         settled = rows[t.settled(rows)]
         for tier, pool, size, part in self.groups(settled):
             self.unsettle(part, tier, pool, size)
@@ -180,6 +192,7 @@ class Placement:
         """The pages' bytes are gone (settled rows): pool pages stay in the table as DROPPED
         until freed, keyed pages are forgotten."""
         t = self.table
+        self.free_copies(rows)
         tiers, pools = t.tier[rows].tolist(), t.pool[rows].tolist()
         for tier, pool, size, part in self.groups(rows):
             self.unsettle(part, tier, pool, size)
@@ -206,6 +219,55 @@ class Placement:
                 record = SlotRecord(key=key, tenant=t.tenant_of[row])
                 medium.set_record(page_size, MediumSlot(slot), record)
         medium.write_records()  # before any lookup can answer DISK for these keys
+
+    # -- copies at the record level (see the module docstring) --------------------------------
+    def keeps_copies(self, src: int, dst: int) -> bool:
+        """Whether a move ``src`` -> ``dst`` keeps keyed pages' source slots as copies."""
+        return dst == Tier.CPU and src == self.record_level == BELOW_CPU
+
+    def keep_copies(self, rows: np.ndarray, slots: np.ndarray, page_size: int) -> None:
+        """Keyed ``rows`` just settled in the CPU tier from ``slots`` of the record level."""
+        copies = self.copies.setdefault(page_size, OrderedDict())
+        copies.update(zip(rows.tolist(), slots.tolist(), strict=True))
+
+    def has_copy(self, rows: np.ndarray, page_size: int) -> np.ndarray:
+        copies = self.copies.get(page_size)
+        if not copies:
+            return np.zeros(len(rows), dtype=bool)
+        return np.fromiter((r in copies for r in rows.tolist()), dtype=bool, count=len(rows))
+
+    def settle_on_copies(self, rows: np.ndarray, page_size: int) -> None:
+        """Settled CPU ``rows`` with copies go back to them: no bytes move."""
+        if not len(rows):
+            return
+        level, copies = self.record_level, self.copies[page_size]
+        assert level is not None
+        slots = np.array([copies.pop(r) for r in rows.tolist()], dtype=np.int64)
+        self.unsettle(rows, Tier.CPU, None, page_size)
+        self.free_slots(Tier.CPU, page_size, self.table.slot[rows], None)
+        self.settle(rows, level, slots, None)
+        if self.events.active:
+            for page_id in self.table.ids(rows).tolist():
+                self.events.publish(Event("moved", None, page_id, Tier.CPU, self.wire[level]))
+
+    def free_copies(self, rows: np.ndarray) -> None:
+        """Give back the copies of ``rows`` (pages leaving the CPU tier other than down)."""
+        if not any(self.copies.values()) or not len(rows):
+            return
+        level = self.record_level
+        assert level is not None
+        for size, copies in self.copies.items():
+            slots = [copies.pop(r) for r in rows.tolist() if r in copies]
+            self.free_slots(level, size, np.array(slots, dtype=np.int64), None)
+
+    def reclaim_copies(self, page_size: int, n: int) -> int:
+        """Free up to ``n`` of the oldest copies of ``page_size``; how many were freed."""
+        copies = self.copies.get(page_size)
+        if not copies or self.record_level is None:
+            return 0
+        slots = [copies.popitem(last=False)[1] for _ in range(min(n, len(copies)))]
+        self.free_slots(self.record_level, page_size, np.array(slots, dtype=np.int64), None)
+        return len(slots)
 
     def leave(self, tier: int, page_size: int, n: int) -> None:
         """``n`` more (or, negative, fewer) pages moving down out of the medium at ``tier``."""

@@ -239,7 +239,8 @@ def _not_ours(path: str, uid: int) -> str | None:
 
 def entry_problem(path: str, flags: int | None) -> str | None:
     """Why the tier could not use the entry at ``path`` (absent is fine): anything but a regular
-    file, another user's file, or one that ``flags`` (``O_RDONLY``/``O_RDWR``; None: no open is tried) can't open."""
+    file, another user's file, or one that ``flags`` (``O_RDONLY``/``O_RDWR``; None: no open is
+    tried) can't open."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
