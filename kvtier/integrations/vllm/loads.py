@@ -142,7 +142,6 @@ class LoadJob:
                     continue
                 s = self.mover.stage(self.transfers[ti].keys[start:end])
                 staged.append((piece, s))
-                self.got[ti] += s.got
                 if s.got < end - start:
                     stopped.add(ti)
             for li, segs in enumerate(self.layers):
@@ -156,6 +155,11 @@ class LoadJob:
                     self._mark(li)
             if self._stream is not None:
                 self._stream.synchronize()  # the staging slots are reused after this
+            # Counted once every layer of the round is copied in: a daemon that failed while
+            # a later piece was staged (or a copy that raised) left these blocks unwritten, and
+            # counting them at staging time reported them loaded (wrong tokens).
+            for (ti, _, _), s in staged:
+                self.got[ti] += s.got
         finally:
             for _, s in staged:
                 self.mover.unstage(s)

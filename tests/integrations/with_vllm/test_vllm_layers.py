@@ -5,7 +5,8 @@ real daemon subprocess in CPU mode can register them as the CUDA path registers 
 only stand-in is the adapter that hands the memfd over with the segments (the connector's own
 ``ClientBackend`` sends CUDA IPC handles, which need no descriptor). Loads go through
 ``LoadLayers``: layer ``i`` is ready once every transfer passed it, with exactly the stored
-bytes; missing blocks, a daemon restart and a pool lost between groups are recomputes.
+bytes; missing blocks, a daemon restart and a pool lost between groups are recomputes; in
+staging mode, a pool lost in the middle of a round confirms none of the round's blocks.
 """
 
 from __future__ import annotations
@@ -253,3 +254,33 @@ def test_a_pool_lost_between_groups_confirms_no_block() -> None:
         for name in range(LAYERS):
             job.wait_layer(name)  # released, not hanging
         assert mover.counters.load_failed_blocks == 2
+
+
+def test_staging_a_daemon_lost_mid_round_confirms_no_block_of_the_round() -> None:
+    """Staging mode: blocks were counted as loaded when staged, before the round's copies into
+    vLLM's tensors; a daemon that died while a later piece of the round was staged skipped
+    those copies, and the blocks counted as loaded held the old bytes (wrong tokens, found by
+    killing a real daemon after a step's first Load). Now a round's blocks count once every
+    layer of it is copied in."""
+    kv = KV(8, 3)
+    engine = TierEngine(OffloadConfig(
+        device="cpu", page_size=4096, gpu_memory_gb=1 / 1024, cpu_memory_gb=0.01,
+        pinned_chunk_mb=1, batch_mb=1, max_inflight_mb=8, metrics_addr=""))
+    with engine:
+        mover = BlockMover(EngineBackend(engine, "t"), kv.rows, register=False)
+        assert mover.store(BlockTransfer("a", KEYS[:4], [0, 1, 2, 3])) == 4
+        before = [t.clone() for t in kv.layers]
+        real_stage = mover.stage
+
+        def stage_then_lose(keys: list[bytes]) -> Any:
+            staged = real_stage(keys)
+            mover.close()  # the daemon's side is gone: the next piece's stage fails
+            return staged
+
+        mover.stage = stage_then_lose  # type: ignore[method-assign]
+        job = LoadJob(mover, [BlockTransfer("b", KEYS[:2], [4, 5]),
+                              BlockTransfer("c", KEYS[2:4], [6, 7])], list(kv.ranges.values()))
+        job.run()
+        assert job.error is not None and job.result() == [0, 0]
+        assert all(torch.equal(a, b) for a, b in zip(kv.layers, before, strict=True))
+        assert mover.counters.load_failed_blocks == 4
