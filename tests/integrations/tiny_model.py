@@ -91,6 +91,31 @@ def build_tiny_llama(path: str | Path, shape: TinyShape = TinyShape(), *, seed: 
     return out
 
 
+def build_tiny_mistral(path: str | Path, shape: TinyShape = TinyShape(), *, window: int,
+                       seed: int = 0) -> Path:
+    """A Mistral-style model (every layer attends over a sliding window of ``window`` tokens)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    base = llama_config(shape).to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+    cfg = MistralConfig(**{k: base[k] for k in keep}, sliding_window=window,
+                        head_dim=shape.head_dim)
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(out, safe_serialization=True)
+    build_tokenizer(shape.vocab).save_pretrained(out)
+    return out
+
+
 def words(ids: list[int]) -> str:
     """The text that tokenizes to ``ids`` (ids must be ≥ the special tokens)."""
     return " ".join(f"w{i - len(SPECIALS)}" for i in ids)

@@ -84,6 +84,7 @@ from .identity import Rank, all_rank_keys, engine_namespace
 from .link import DaemonLink
 from .plan import BlockTransfer, LoadStorePlanner
 from .steps import WorkerSteps
+from .support import unsupported
 
 if TYPE_CHECKING:
     import torch
@@ -206,7 +207,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._flushes = 0  # preemptions that waited for the stores in flight
         self._stats_lock = threading.Lock()
         self._rank = Rank()
-        if role == KVConnectorRole.SCHEDULER:
+        self._off = unsupported(kv_cache_config)
+        if self._off is not None:
+            log.warning("kvtier: the connector is off for this engine: %s (offloading its "
+                        "blocks could serve wrong KV); vLLM runs without it", self._off)
+        elif role == KVConnectorRole.SCHEDULER:
             self._planner = LoadStorePlanner(
                 self._lookup, self._block_size, engine_namespace(vllm_config, kv_cache_config),
                 use_engine_hashes=_engine_hashes_usable(vllm_config),
@@ -248,15 +253,18 @@ class KVTierConnector(KVConnectorBase_V1):
     # --- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        assert self._planner is not None
+        if self._planner is None:  # off (``support.unsupported``)
+            return 0, False
         return self._planner.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._planner is not None
+        if self._planner is None:
+            return
         self._planner.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._planner is not None
+        if self._planner is None:
+            return KVTierConnectorMetadata(loads=[], stores=[], delayed=[], flush=False)
         so = scheduler_output
         loads, stores = self._planner.build(so.scheduled_new_reqs, so.scheduled_cached_reqs,
                                             so.num_scheduled_tokens,
@@ -274,6 +282,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # --- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._off is not None:
+            return  # no worker steps: every step hook finds nothing to do
         tensors = list(kv_caches.values())
         num_blocks = self._num_blocks(tensors)
         rows = BlockRows([s for t in tensors for s in block_segments(t, num_blocks)])

@@ -77,9 +77,7 @@ class LoadStorePlanner:
         if st is not None:
             st.ns = ns
         hashes = getattr(request, "block_hashes", None) or []
-        # One engine hash per block of ours, or they were hashed at another granularity.
-        same_blocks = len(hashes) == request.num_tokens // self.block_size
-        if self.use_engine_hashes and same_blocks and len(hashes) >= n:
+        if self._engine_keyed(request) and len(hashes) >= n:
             keys = cached + rekey(hashes[len(cached) : n], ns=ns)
         else:
             keys = chain_keys(list(request.all_token_ids[: n * self.block_size]),
@@ -88,6 +86,18 @@ class LoadStorePlanner:
             st.keys = keys
         return keys
 
+    def _engine_keyed(self, request: Any) -> bool:
+        """Whether ``request``'s keys come from vLLM's block hashes: one per block of ours (else
+        they were hashed at another granularity), and usable (``use_engine_hashes``)."""
+        hashes = getattr(request, "block_hashes", None) or []
+        return self.use_engine_hashes and len(hashes) == request.num_tokens // self.block_size
+
+    def cacheable(self, request: Any) -> bool:
+        """A request given as prompt embeddings has token ids that say nothing of its KV (vLLM
+        sets them to 0): keyed by token ids, two such prompts shared keys and one was served the
+        other's KV. Only vLLM's own hashes (which cover the embeddings) may key it."""
+        return getattr(request, "prompt_embeds", None) is None or self._engine_keyed(request)
+
     def request_ns(self, request: Any) -> bytes:
         """The engine namespace, salted with what changes this request's KV for its tokens."""
         salt = request_salt(request)
@@ -95,6 +105,8 @@ class LoadStorePlanner:
 
     # --- vLLM scheduler hooks ---------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed: int) -> int | None:
+        if not self.cacheable(request):
+            return 0
         n = max(0, (request.num_tokens - 1) // self.block_size)
         keys = self.keys(request, n)
         found = self._lookup(keys) if n else 0
@@ -107,6 +119,8 @@ class LoadStorePlanner:
         return max(0, hits * self.block_size - num_computed)
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+        if not self.cacheable(request):
+            return  # never tracked: nothing loaded or stored for it
         st = self._reqs.setdefault(request.request_id, _Req(request))
         st.request = request
         st.block_ids = list(block_ids)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,6 +47,14 @@ from .link import DaemonLink
 from .loads import LoadJob
 from .plan import BlockTransfer
 from .stores import StoreQueue
+
+_DETACH_WAIT_S = 0.5  # how long a broken attach's detach may hold the engine's step
+
+
+def _close_all(movers: list[BlockMover]) -> None:
+    for m in movers:
+        with contextlib.suppress(Exception):  # a restarted daemon no longer knows it
+            m.close()
 
 
 class StoreFailed(Exception):
@@ -83,6 +92,7 @@ class WorkerSteps:
         self._mover: BlockMover | None = None
         self._store_mover: BlockMover | None = None
         self._generation = 0
+        self._failed_generation = -1  # a store of this attach failed: its later ones are skipped
         self._tainted: set[int] = set()
         layers = layers or {"": range(len(rows.segments))}
         self._layer_index = {name: i for i, name in enumerate(layers)}
@@ -129,11 +139,13 @@ class WorkerSteps:
         return self._mover
 
     def _broken(self, exc: BaseException) -> None:
-        old = {id(m): m for m in (self._mover, self._store_mover) if m is not None}
+        old = list({id(m): m for m in (self._mover, self._store_mover) if m is not None}.values())
         self._mover = self._store_mover = None
-        for m in old.values():
-            with contextlib.suppress(Exception):  # a restarted daemon no longer knows it
-                m.close()
+        if old:  # a live daemon answers at once; a hung one is not waited out (a timeout each)
+            detach = threading.Thread(target=_close_all, args=(old,), name="kvtier-detach",
+                                      daemon=True)
+            detach.start()
+            detach.join(_DETACH_WAIT_S)
         self.link.failed(exc)
 
     def _keyed(self, t: BlockTransfer, n: int) -> BlockTransfer:
@@ -224,10 +236,19 @@ class WorkerSteps:
         generation = self._generation
 
         def job() -> None:
+            if self._failed_generation == generation:
+                # An earlier store of this attach failed (the daemon is gone, or hung: each
+                # store queued behind it waited out its own timeout, a preemption's flush
+                # 45 s in all): the pool is dropped at the next step, these are skipped.
+                self.counters.store_calls += 1
+                self.counters.store_failed_blocks += len(t.keys)
+                return
             try:
                 with torch.inference_mode():  # staging pools made in the engine's step are
                     mover.store(t)  # inference tensors, written in place only in this mode
             except Exception as exc:
+                self._failed_generation = generation
+                self.counters.store_failed_blocks += len(t.keys)
                 raise StoreFailed(generation) from exc
             if self._on_stored is not None:
                 try:

@@ -9,7 +9,9 @@ their stores have ended, and shutdown waits for the stores in flight.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,29 @@ def test_a_store_that_fails_after_the_daemon_left_drops_the_pool(tmp_path: Path)
         assert w.link.outages == 1 and w.counters.stored_blocks == 0
         assert w.finished({"a"}) == {"a"}  # a failed store still lets vLLM free the blocks
     finally:
+        w.close()
+        stop_daemon(proc)
+
+
+def test_a_hung_daemon_costs_a_flush_one_timeout_not_one_per_store(tmp_path: Path) -> None:
+    """Stores queued behind one that timed out each waited out their own timeout (a daemon
+    stopped with SIGSTOP: a preemption's flush took 45 s, 9 stores x 5 s). Now a failed store
+    skips the rest of its attach's queue: the pool is dropped and re-attached anyway."""
+    sock = tmp_path / "k.sock"
+    proc = start_daemon(sock, cpu_gb=0.05)
+    w = worker(f"unix://{sock}", kv(8, 4))  # client timeout 3 s
+    try:
+        assert w.mover() is not None
+        proc.send_signal(signal.SIGSTOP)
+        w.end([BlockTransfer(f"r{i}", KEYS[2 * i : 2 * i + 2], [2 * i, 2 * i + 1])
+               for i in range(4)])
+        t0 = time.monotonic()
+        w.flush_stores()
+        assert time.monotonic() - t0 < 5.0  # was 6 timeouts of 3 s: 4 stores, 2 detaches
+        assert w.counters.stored_blocks == 0 and w.counters.store_failed_blocks == 8
+        assert w.finished({f"r{i}" for i in range(4)}) == {f"r{i}" for i in range(4)}
+    finally:
+        proc.send_signal(signal.SIGCONT)
         w.close()
         stop_daemon(proc)
 

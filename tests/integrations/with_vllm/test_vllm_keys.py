@@ -32,6 +32,7 @@ class Req:
     lora_request: Any = None
     cache_salt: str | None = None
     mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -125,3 +126,26 @@ def test_rewound_request_stores_its_recomputed_blocks() -> None:
     # Block 11 failed to load: vLLM rewinds the request to 4 tokens and recomputes 4..16.
     loads, stores = p.build([], cached(["r"], [None], [4]), {"r": 13}, {})
     assert loads == [] and stores == [BlockTransfer("r", keys[1:4], [11, 12, 13], [10])]
+
+
+def test_prompt_embeds_are_never_keyed_by_their_token_ids() -> None:
+    """vLLM sets an embeddings prompt's token ids to 0: keyed by them, two different prompts
+    shared keys and the second was served the first's KV (a probe with two random 100 x 128
+    prompts, prefix caching off). Such a request is neither looked up, loaded nor stored, unless
+    vLLM's own block hashes (which cover the embeddings) key it."""
+    asked: list[list[bytes]] = []
+
+    def lookup(keys: list[bytes]) -> int:
+        asked.append(keys)
+        return len(keys)  # everything "stored": a token-id key would hit
+
+    embeds = Req("e", [0] * 13, prompt_embeds=object())
+    p = LoadStorePlanner(lookup, BS, b"ns", use_engine_hashes=False)
+    assert p.matched_tokens(embeds, 0) == 0 and asked == []
+    p.after_alloc(embeds, [1, 2, 3, 4], 0)
+    nr = SimpleNamespace(req_id="e", block_ids=([1, 2, 3, 4],), num_computed_tokens=0)
+    assert p.build([nr], cached(), {"e": 13}, {}) == ([], [])
+    assert not p.finished("e")
+    hashed = Req("h", [0] * 13, block_hashes=[b"a", b"b", b"c"], prompt_embeds=object())
+    engine = LoadStorePlanner(lookup, BS, b"ns", use_engine_hashes=True)
+    assert engine.matched_tokens(hashed, 0) == 12 and len(asked) == 1
