@@ -330,6 +330,9 @@ class TierEngine:
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Tier]:
         return self.prefix.lookup(tenant, keys)
 
+    def forget(self, pool_id: PoolId, keys: Sequence[bytes]) -> int:
+        return self.prefix.forget(pool_id, keys)
+
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         return self.prefix.load(pool_id, keys, slots)
 

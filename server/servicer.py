@@ -258,13 +258,18 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     # --- prefix reuse -----------------------------------------------------------------------
     async def Store(self, req: pb.StoreRequest, ctx: Ctx) -> pb.CountReply:
+        pool_id = PoolId(req.pool.pool_id)
+
         def call() -> pb.CountReply:
             pool = self._pool(req)
             keys, slots = validate.keyed_slots(req.keys, req.slots)
             n = self._engine.store(pool, keys, [SlotIndex(s) for s in slots])
             return pb.CountReply(count=n)
 
-        return await self._run(ctx, call)
+        def undo(_: pb.CountReply) -> None:  # the caller gave up: it may have reused its memory
+            self._engine.forget(pool_id, list(req.keys))
+
+        return await self._run(ctx, call, undo)
 
     async def Lookup(self, req: pb.LookupRequest, ctx: Ctx) -> pb.LookupReply:
         def call() -> pb.LookupReply:

@@ -45,8 +45,8 @@ def _direction(d: Direction) -> str:
 
 
 # Every reason the engine can drop a page for: exported at 0 so dashboards and alerts see them.
-DROP_REASONS = ("cpu_full", "corrupt", "disk_full", "no_admission", "replaced", "shutdown",
-                "tenant_quota")
+DROP_REASONS = ("abandoned", "cpu_full", "corrupt", "disk_full", "no_admission", "replaced",
+                "shutdown", "tenant_quota")
 
 
 class EngineCollector(Collector):

@@ -106,6 +106,25 @@ class PrefixStore:
         offer(core, held)  # copies for the write-behind, without the engine lock
         return stored
 
+    def forget(self, pool_id: PoolId, keys: Sequence[bytes]) -> int:
+        """Drop ``keys`` of the pool's tenant (counted ``abandoned``): what a Store whose caller
+        gave up stored. Its copies may have read the caller's memory after the caller stopped
+        waiting and reused it (a daemon paused past the caller's timeout, then resumed), so a
+        hit on them could return other bytes. Keys in use (being loaded, or moving) stay.
+        Returns how many were dropped."""
+        core = self._core
+        with core.cond:
+            pool = core.pools.get(pool_id)
+            if pool is None:
+                return 0
+            t = core.table
+            found = [r for r in map(t.by_key.get, salt_keys(pool.tenant, list(keys)))
+                     if r is not None]
+            rows = np.unique(np.array(found, dtype=np.int64))
+            rows = rows[t.settled(rows) & (t.protect[rows] == 0)]
+            core.drop(rows, "abandoned")
+            return len(rows)
+
     def _new_keys(
         self, pool: Pool, keys: list[bytes], slots: list[int]
     ) -> tuple[dict[bytes, int], int]:
