@@ -4,7 +4,9 @@
 
 - ``client()`` — the daemon client, created on first use (creating it contacts nobody).
 - ``ready()`` — ``False`` while the daemon was found away less than the current back-off ago
-  (0.5 s, doubling to 2 s); callers then skip the daemon (a miss, a skipped store).
+  (0.5 s, doubling to 2 s; after a timeout, a daemon that is there but does not answer, 5 s
+  doubling to 30 s, or every lookup would wait out the whole timeout every 2 s); callers then
+  skip the daemon (a miss, a skipped store).
 - ``failed(exc)`` — record an outage: warns once per outage (not once per call), starts the
   back-off and drops the client, so the next try dials afresh instead of waiting out gRPC's own
   reconnect back-off (up to minutes). ``ok()`` — record a success: logs once when it is back.
@@ -21,6 +23,7 @@ from typing import Any
 
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 2.0
+_HUNG_FIRST_S, _HUNG_MAX_S = 5.0, 30.0  # after a timeout (``TimeoutError``: DeadlineExceeded)
 
 
 class DaemonLink:
@@ -47,14 +50,16 @@ class DaemonLink:
 
     def failed(self, exc: BaseException) -> None:
         now = self._clock()
+        hung = isinstance(exc, TimeoutError)
         if self._down_since is None:
             self._down_since = now
-            self._backoff = _FIRST_BACKOFF_S
+            self._backoff = _HUNG_FIRST_S if hung else _FIRST_BACKOFF_S
             self.outages += 1
             self._log.warning("kvtier: daemon unavailable for %s (%s); running without the "
                               "cache until it is back", self._what, exc)
         else:
-            self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
+            self._backoff = min(max(self._backoff * 2, _HUNG_FIRST_S if hung else 0.0),
+                                _HUNG_MAX_S if hung else _MAX_BACKOFF_S)
         self._retry_at = now + self._backoff
         self.close()
 
