@@ -252,8 +252,9 @@ class Placement:
 
     def free_copies(self, rows: np.ndarray) -> None:
         """Give back the copies of ``rows`` (pages leaving the CPU tier other than down)."""
-        if not any(self.copies.values()) or not len(rows):
+        if not len(rows) or not any(self.copies.values()):
             return
+        rows = rows[self.table.pool[rows] == 0]  # only keyed pages have copies
         level = self.record_level
         assert level is not None
         for size, copies in self.copies.items():
