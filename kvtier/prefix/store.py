@@ -159,13 +159,21 @@ class PrefixStore:
     ) -> bool:
         """New keyed pages for ``items`` (salted key, slot) with their copies added to
         ``pending``; False when the CPU tier could not take them all (the store ends there)."""
+        by_key = self._core.table.by_key
         while items:
             got = self._cpu_slots(pool, len(items), pending, started)
             if not len(got):
                 return False
             part, items = items[: len(got)], items[len(got) :]
-            rows = self._new_keyed(pool, [k for k, _ in part], got)
-            pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
+            # The wait for slots let other calls in: a key another store added meanwhile (at any
+            # page size) is theirs; adding it again gave one key several pages (slots, records).
+            fresh = [item for item in part if item[0] not in by_key]
+            if len(fresh) < len(part):
+                self._core.free_slots(Tier.CPU, pool.page_size, got[len(fresh) :], None)
+                part, got = fresh, got[: len(fresh)]
+            if part:
+                rows = self._new_keyed(pool, [k for k, _ in part], got)
+                pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
         return True
 
     def _new_keyed(self, pool: Pool, keys: list[bytes], slots: np.ndarray) -> np.ndarray:

@@ -95,3 +95,46 @@ def test_copies_that_could_not_be_handed_over_are_not_counted(make_engine):
     with pytest.raises(Unavailable):
         engine.store(pool.pool_id, [b"a", b"b"], slots)
     assert pool.dev.copying == 0
+
+
+def test_stores_of_one_key_at_once_keep_one_page_of_it(make_engine):
+    """A store that waited for CPU slots (the engine lock released) then added the keys it had
+    found new before the wait, though another store had added them meanwhile (at its page size
+    or another): one key held several pages, each with slots and a disk record (the others out
+    of reach; the same key twice in the disk index after a restart). Keys stored meanwhile are
+    now left to the store that added them."""
+    import random
+    import threading
+    from collections import Counter
+
+    engine = make_engine(cpu_memory_gb=40 * PAGE / 2**30, gpu_memory_gb=16 / 1024,
+                         disk_gb=60 * PAGE / 2**30, disk_admission="always")
+    sizes, keys = (PAGE, 2 * PAGE, 3 * PAGE), [b"k%d" % i for i in range(16)]
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        pools = {size: engine.attach("t", 16, size) for size in sizes}
+        try:
+            for _ in range(300):
+                pool = pools[rng.choice(sizes)]
+                n = rng.randrange(1, 9)
+                got = engine.allocate(pool.pool_id, n)
+                if got is None:
+                    continue
+                first = rng.randrange(len(keys) - n + 1)
+                engine.store(pool.pool_id, keys[first : first + n], [s for _, s in got])
+                engine.free(pool.pool_id, [p for p, _ in got])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors
+    core = engine._core
+    with core.cond:
+        repeated = [k for k, n in Counter(core.table.key_of.values()).items() if n > 1]
+    assert repeated == []
