@@ -69,21 +69,8 @@ class RedisMedium(KeyedMedium):
 
     def _probe(self) -> None:
         while not self._stop.wait(self._probe_s):
-            if time.monotonic() - self._answered < self._probe_s:
-                continue  # calls answer for the store's state
-            client = self._get()
-            if client is None:
-                continue  # down (counted), or in its back-off
-            try:
-                _CALL.deadline = time.monotonic() + self._timeout
-                client.ping()
-            except Exception as exc:
-                with self._lock:
-                    self._fault_locked(exc)
-                continue
-            finally:
-                _CALL.deadline = 0.0
-            self._ok()
+            if time.monotonic() - self._answered >= self._probe_s:  # else calls answer for it
+                self._command(lambda client: client.ping())
 
     # -- connection ----------------------------------------------------------------------------
     def _options(self) -> dict[str, Any]:
@@ -255,12 +242,18 @@ class RedisMedium(KeyedMedium):
 
     def _count(self, keys: Sequence[bytes]) -> int | None:
         """How many of ``keys`` exist (a key given twice counts twice), or None on a fault."""
+        count = self._command(lambda client: client.exists(*keys))
+        return None if count is None else int(count)
+
+    def _command(self, call: Callable[[Any], Any]) -> Any:
+        """One command on the client within the timeout: its reply, or None (down, in its
+        back-off, or a fault, counted)."""
         client = self._get()
         if client is None:
             return None
         try:
             _CALL.deadline = time.monotonic() + self._timeout
-            count = int(client.exists(*keys))
+            reply = call(client)
         except Exception as exc:
             with self._lock:
                 self._fault_locked(exc)
@@ -268,7 +261,7 @@ class RedisMedium(KeyedMedium):
         finally:
             _CALL.deadline = 0.0
         self._ok()
-        return count
+        return reply
 
     def health(self) -> MediumHealth:
         with self._lock:
