@@ -161,16 +161,16 @@ class PrefixStore:
         ``pending``; False when the CPU tier could not take them all (the store ends there)."""
         by_key = self._core.table.by_key
         while items:
-            got = self._cpu_slots(pool, len(items), pending, started)
+            got, waited = self._cpu_slots(pool, len(items), pending, started)
             if not len(got):
                 return False
             part, items = items[: len(got)], items[len(got) :]
-            # The wait for slots let other calls in: a key another store added meanwhile (at any
-            # page size) is theirs; adding it again gave one key several pages (slots, records).
-            fresh = [item for item in part if item[0] not in by_key]
-            if len(fresh) < len(part):
-                self._core.free_slots(Tier.CPU, pool.page_size, got[len(fresh) :], None)
-                part, got = fresh, got[: len(fresh)]
+            if waited:  # the wait let other calls in: a key another store added meanwhile
+                # (at any page size) is theirs; adding it again gave one key several pages
+                fresh = [item for item in part if item[0] not in by_key]
+                if len(fresh) < len(part):
+                    self._core.free_slots(Tier.CPU, pool.page_size, got[len(fresh) :], None)
+                    part, got = fresh, got[: len(fresh)]
             if part:
                 rows = self._new_keyed(pool, [k for k, _ in part], got)
                 pending.add(rows, np.array([s for _, s in part], dtype=np.int64), got)
@@ -185,9 +185,10 @@ class PrefixStore:
         ledger.incoming[Tier.CPU] += ledger.per_owner(t.owner[rows], pool.page_size)
         return rows
 
-    def _cpu_slots(self, pool: Pool, n: int, pending: Copies, started: list[Moves]) -> np.ndarray:
+    def _cpu_slots(self, pool: Pool, n: int, pending: Copies, started: list[Moves]
+                   ) -> tuple[np.ndarray, bool]:
         """Up to ``n`` CPU slots for stored blocks, waiting (bounded) while the cascade frees
-        some.
+        some; and whether it waited (the engine lock was released meanwhile).
 
         A full CPU tier sends its victims to disk asynchronously: rather than storing fewer
         blocks than asked, wait for those writes while any transfer is still under way.
@@ -195,19 +196,21 @@ class PrefixStore:
         core = self._core
         deadline = time.monotonic() + core.config.restore_timeout_s
         owner = core.ledger.owner(pool.tenant)
+        waited = False
         while True:
             got = core.cascade.cpu_slots(pool.page_size, n, owner)
             if len(got) or time.monotonic() > deadline:
-                return got
+                return got, waited
             # let the copies prepared so far start, so they can cascade
             started += pending.submit(core)
             restores, offloads = core.scheduler.depth()
             busy = restores or offloads or core.scheduler.inflight_bytes
             if not busy and all(done(b) for b in started):
-                return got  # nothing under way will free a slot
+                return got, waited  # nothing under way will free a slot
             if pending.loan is not None:
                 pending.loan.give_back()  # the lane's own queue goes on while this waits
             core.cond.wait(0.01)
+            waited = True
 
     def lend(self, pool: Pool, direction: Direction) -> LaneLoan:
         """``pool``'s lane on loan (``kvtier/loan.py``): pauses wait on the engine lock."""
