@@ -63,9 +63,13 @@ def test_one_tenants_many_slow_calls_do_not_queue_another_tenant(
         for t in threads:
             t.start()
         time.sleep(0.3)
+        asked = time.monotonic()
         b.stats()
         answered = time.monotonic()
         for t in threads:
             t.join()
-        before = sum(t < answered for t in done)
-        assert len(done) == 80 and before < 40, f"{before} of a's 80 loads ended before b's Stats"
+        # Loads that ended while b's Stats waited: ~50 behind which it queued, on the old
+        # code. (Not all those ended before it: fast loads, disk copies kept since, finish ~40
+        # in the 0.3 s before it is even asked.)
+        during = sum(asked <= t < answered for t in done)
+        assert len(done) == 80 and during < 40, f"{during} of a's 80 loads ended during b's Stats"
