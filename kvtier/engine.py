@@ -18,6 +18,7 @@ from typing import overload
 import numpy as np
 import torch
 
+from kvtier.caller import Caller
 from kvtier.config import OffloadConfig
 from kvtier.core import EngineCore
 from kvtier.errors import CapacityError, FailedPrecondition, InvalidArgument
@@ -333,12 +334,13 @@ class TierEngine:
     def forget(self, pool_id: PoolId, keys: Sequence[bytes]) -> int:
         return self.prefix.forget(pool_id, keys)
 
-    def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
-        return self.prefix.load(pool_id, keys, slots)
+    def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
+             caller: Caller | None = None) -> int:
+        return self.prefix.load(pool_id, keys, slots, caller)
 
     def load_layers(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
-                    bounds: Sequence[int]) -> Iterator[int]:
-        return load_layers(self.prefix, pool_id, keys, slots, bounds)
+                    bounds: Sequence[int], caller: Caller | None = None) -> Iterator[int]:
+        return load_layers(self.prefix, pool_id, keys, slots, bounds, caller)
 
     def borrow(self, pool_id: PoolId, keys: Sequence[bytes],
                plan: Callable[[list[Tier]], int] | None = None,

@@ -304,6 +304,8 @@ class TransferScheduler:
     def _launch(self, lane: Lane, batch: Moves) -> Pending:
         handler = lane.handlers[batch.direction]
         start = time.perf_counter()
+        if batch.caller is not None and batch.caller.gone:  # it may have reused the memory
+            return Pending(batch, failed(len(batch)), start)
         try:
             waiter = handler.launch(batch)
         except Exception:

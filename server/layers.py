@@ -5,14 +5,16 @@ Contract:
       InvalidArgument("segment_bounds"); the rest of the rule (0 = b0 < ... = the pool's
       segment count) is the engine's, raised at the generator's first step before anything is
       copied, so a refused call changes nothing and the daemon and the engine say the same.
-    * ``stream(engine, executor, owned, req, ctx)``: on a worker thread, checks the pool
+    * ``stream(engine, executor, owned, req, ctx, caller)``: on a worker thread, checks the pool
       (``owned``: the tenancy rule every pool call follows), keys and slots (as Load), then
       runs the engine's generator there group after group, and yields one ``LoadLayersReply``
       per group, sent only after the engine has waited for that group's copies. The load never
       waits for the client to read: a slow or stalled reader holds nothing protected once the
       copies are done. A stream that ends early (an error, the client cancelling, the daemon
-      draining) stops the load after the group being copied; the generator is always closed
-      on the worker, which releases what the load protected.
+      draining) stops the load after the group being copied, and ``caller``
+      (``kvtier/caller.py``, also gone at the call's deadline) launches no copy of it that has
+      not started; the generator is always closed on the worker, which releases what the load
+      protected.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from kvtier.caller import Caller
 from kvtier.errors import InvalidArgument
 from kvtier.types import PoolId
 from kvtier.v1 import kvtier_pb2 as pb
@@ -83,12 +86,13 @@ class _Run:
 
 
 async def stream(engine: Any, executor: Executor, owned: Callable[[Any], PoolId],
-                 req: pb.LoadLayersRequest, ctx: Any) -> AsyncIterator[pb.LoadLayersReply]:
+                 req: pb.LoadLayersRequest, ctx: Any, caller: Caller
+                 ) -> AsyncIterator[pb.LoadLayersReply]:
     def open_groups() -> Iterator[int]:
         pool = owned(req)
         keys, slots = validate.keyed_slots(req.keys, req.slots)
         groups: Iterator[int] = engine.load_layers(pool, keys, slots,
-                                                   segment_bounds(req.segment_bounds))
+                                                   segment_bounds(req.segment_bounds), caller)
         return groups
 
     run = _Run(asyncio.get_running_loop())
@@ -108,3 +112,4 @@ async def stream(engine: Any, executor: Executor, owned: Callable[[Any], PoolId]
         raise  # unreachable: abort raises
     finally:
         run.stop()  # also on cancel: the worker ends after the group being copied
+        caller.give_up()  # and launches no copy of it that has not started

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, Future
 from typing import Any, NoReturn, TypeAlias, TypeVar
@@ -17,6 +18,7 @@ from typing import Any, NoReturn, TypeAlias, TypeVar
 import grpc
 import numpy as np
 
+from kvtier.caller import Caller
 from kvtier.errors import FailedPrecondition, KVTierError
 from kvtier.types import PageId, PoolId, SlotIndex, Tier
 from kvtier.v1 import kvtier_pb2 as pb
@@ -51,18 +53,21 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self._watches = watches
 
     async def _run(self, ctx: Ctx, fn: Callable[[], T],
-                   undo: Callable[[T], None] | None = None) -> T:
+                   undo: Callable[[T], None] | None = None, caller: Caller | None = None) -> T:
         """``fn`` on a worker thread. A call that ends while ``fn`` runs gets no reply: cancelled
         by its caller, or past its deadline. ``undo(result)`` then takes back what ``fn`` handed
         out (pins, pages, pools) once ``fn`` is done, so nothing stays held for nobody. The
         caller's deadline passes before the daemon's (by the time the request took to arrive):
         a result ready within ``reply_margin`` of the daemon's deadline is taken back too, and
-        the caller told DEADLINE_EXCEEDED, rather than sent to a caller likely gone."""
+        the caller told DEADLINE_EXCEEDED, rather than sent to a caller likely gone. A cancel
+        gives up ``caller`` (``caller_of``): ``fn`` stops what it does for it at its next step."""
         margin = reply_margin(ctx.time_remaining())
         work = self._executor.submit(fn)
         try:
             result = await asyncio.wrap_future(work)
         except asyncio.CancelledError:
+            if caller is not None:
+                caller.give_up()
             if undo is not None:
                 work.add_done_callback(functools.partial(_take_back, undo))
             raise
@@ -279,16 +284,20 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         return await self._run(ctx, call)
 
     async def Load(self, req: pb.LoadRequest, ctx: Ctx) -> pb.CountReply:
+        caller = caller_of(ctx)  # a load writes the caller's slots: not once it may reuse them
+
         def call() -> pb.CountReply:
             pool = self._pool(req)
             keys, slots = validate.keyed_slots(req.keys, req.slots)
-            return pb.CountReply(count=self._engine.load(pool, keys, [SlotIndex(s) for s in slots]))
+            n = self._engine.load(pool, keys, [SlotIndex(s) for s in slots], caller)
+            return pb.CountReply(count=n)
 
-        return await self._run(ctx, call)
+        return await self._run(ctx, call, caller=caller)
 
     async def LoadLayers(self, req: pb.LoadLayersRequest, ctx: Ctx
                          ) -> AsyncIterator[pb.LoadLayersReply]:
-        async for reply in layers.stream(self._engine, self._executor, self._pool, req, ctx):
+        async for reply in layers.stream(self._engine, self._executor, self._pool, req, ctx,
+                                       caller_of(ctx)):
             yield reply
 
     # --- operations -------------------------------------------------------------------------
@@ -317,6 +326,13 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 yield convert.event(event)
         finally:
             self._watches.close(watch)
+
+
+def caller_of(ctx: Ctx) -> Caller:
+    """The call's caller (``kvtier/caller.py``): gone at the call's deadline less ``reply_margin``
+    (the caller's own deadline passes that much sooner), or once cancelled (``_run``)."""
+    left = ctx.time_remaining()
+    return Caller() if left is None else Caller(time.monotonic() + left - reply_margin(left))
 
 
 def reply_margin(remaining: float | None) -> float:

@@ -2,9 +2,10 @@
 
 * ``send(core, batch, loan=None)``: a copy batch handed to the lanes, counted as copying through
   its pool's memory until it completes (``DevicePool.copying``: a detach waits for it);
-* ``Copies(pool, direction, loan)``: ``add`` columns of copies, ``submit`` them as one batch
-  (urgent for a load), launched on the caller's thread while it holds the lane on ``loan``
-  (``kvtier/loan.py``), else queued; ``sent`` keeps each batch with its rows;
+* ``Copies(pool, direction, loan, caller)``: ``add`` columns of copies, ``submit`` them as one
+  batch (urgent for a load), launched on the caller's thread while it holds the lane on
+  ``loan`` (``kvtier/loan.py``), else queued; not launched once ``caller`` is gone
+  (``kvtier/caller.py``); ``sent`` keeps each batch with its rows;
 * ``succeeded(sent)``: the rows whose copies succeeded; ``done(batch)``: all results are in;
 """
 
@@ -14,6 +15,7 @@ import time
 
 import numpy as np
 
+from kvtier.caller import Caller
 from kvtier.core import EngineCore
 from kvtier.loan import LaneLoan
 from kvtier.state.pool import Pool
@@ -36,8 +38,9 @@ def done(batch: Moves) -> bool:
 class Copies:
     """Copy columns of stored blocks, gathered until submitted as one batch."""
 
-    def __init__(self, pool: Pool, direction: Direction, loan: LaneLoan | None = None) -> None:
-        self.pool, self.direction, self.loan = pool, direction, loan
+    def __init__(self, pool: Pool, direction: Direction, loan: LaneLoan | None = None,
+                 caller: Caller | None = None) -> None:
+        self.pool, self.direction, self.loan, self.caller = pool, direction, loan, caller
         self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.sent: list[tuple[Moves, np.ndarray]] = []  # each batch submitted, with its rows
 
@@ -50,7 +53,8 @@ class Copies:
             return []
         rows, srcs, dsts = (np.concatenate(col) for col in zip(*self.parts, strict=True))
         pool = self.pool
-        batch = Moves(self.direction, pool.page_size, srcs, dsts, rows, pool.dev)
+        batch = Moves(self.direction, pool.page_size, srcs, dsts, rows, pool.dev,
+                      caller=self.caller)
         batch.copy, batch.urgent, batch.results = True, urgent, [None] * len(rows)
         self.parts = []
         self.sent.append((batch, rows))

@@ -18,6 +18,8 @@ Contract:
       many leading blocks are loaded in every group so far: the values never grow (a copy that
       failed ends the prefix early). Blocks past the last value yielded are not loaded,
       whatever earlier groups wrote into them.
+    * With a ``caller`` (``kvtier/caller.py``), no group is copied once it is gone (the values
+      yielded from then on are 0).
     * Closing the generator early, or an error, returns the protection; the blocks loaded count
       as hits (the eviction policy's touch) once the last group is in.
 """
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.caller import Caller
 from kvtier.errors import InvalidArgument
 from kvtier.prefix.copies import send
 from kvtier.prefix.salt import salt_keys
@@ -68,6 +71,7 @@ def load_layers(
     keys: Sequence[bytes],
     slots: Sequence[int],
     bounds: Sequence[int],
+    caller: Caller | None = None,
 ) -> Iterator[int]:
     core = prefix.core
     keys, slots = unrepeated(keys, slots)
@@ -85,11 +89,15 @@ def load_layers(
                 staged = None
             salted = salt_keys(pool.tenant, keys)
             lent = len(prefix.lendable(pool, salted))
-            rows = prefix.resident_prefix(pool, salted[:lent])  # protected until the end
+            rows = prefix.resident_prefix(pool, salted[:lent], None,  # protected until the end
+                                          None if caller is None else caller.patience)
             srcs, dsts = core.table.slot[rows], np.array(slots[: len(rows)], dtype=np.int64)
         n = len(rows)
         for lo, hi in pairwise(b):
-            n = _copy_group(prefix, pool, rows[:n], srcs[:n], dsts[:n], (lo, hi)) if n else 0
+            if caller is not None and caller.gone:
+                n = 0  # it may have reused its slots: nothing more is copied
+            if n:
+                n = _copy_group(prefix, pool, rows[:n], srcs[:n], dsts[:n], (lo, hi), caller)
             yield n
         with core.cond:
             reused = prefix.reused(pool, rows[:n])
@@ -109,11 +117,12 @@ def _copy_group(
     srcs: np.ndarray,
     dsts: np.ndarray,
     segments: tuple[int, int],
+    caller: Caller | None = None,
 ) -> int:
     """One group's copies of the blocks (urgent, as a load's); how many leading ones landed."""
     core = prefix.core
     batch = Moves(Direction.CPU_TO_GPU, pool.page_size, srcs, dsts, rows, pool.dev,
-                  segments=segments)
+                  segments=segments, caller=caller)
     batch.copy, batch.urgent, batch.results = True, True, [None] * len(rows)
     with core.cond:
         prefix.pool(pool.pool_id)  # still attached (NotFound if detached meanwhile)

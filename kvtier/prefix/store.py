@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.caller import Caller
 from kvtier.core import EngineCore
 from kvtier.errors import (
     DeadlineExceeded,
@@ -251,19 +252,23 @@ class PrefixStore:
             self._core.counters.misses += 1
             self._core.ledger.misses[owner] += 1
 
-    def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+    def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
+             caller: Caller | None = None) -> int:
+        """See the module docstring; with a ``caller``, nothing more is copied once it is gone
+        (``kvtier/caller.py``)."""
         keys, slots = unrepeated(keys, slots)
-        loaded = self._load_once(pool_id, keys, slots)
+        loaded = self._load_once(pool_id, keys, slots, caller)
         # A remote fetch brings a bounded window past the local prefix: while a pass loads
         # something, the next one fetches on from where it stopped (a miss ends it).
         while self._core.remote is not None and 0 < loaded < len(keys):
-            more = self._load_once(pool_id, keys[loaded:], slots[loaded:])
+            more = self._load_once(pool_id, keys[loaded:], slots[loaded:], caller)
             if not more:
                 break
             loaded += more
         return loaded
 
-    def _load_once(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+    def _load_once(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
+                   caller: Caller | None) -> int:
         core = self._core
         staged = self.fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
         reused: Held = []  # blocks reused for the first time: offered once the lock is released
@@ -274,7 +279,7 @@ class PrefixStore:
                 if staged is not None:
                     land(core, staged)
                     staged = None
-                return self._load_windows(pool, keys, slots, reused)
+                return self._load_windows(pool, keys, slots, reused, caller)
         finally:
             if staged is not None:
                 with core.cond:
@@ -282,14 +287,15 @@ class PrefixStore:
             offer(core, reused)
 
     def _load_windows(
-        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
+        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held,
+        caller: Caller | None,
     ) -> int:
         # A prefix longer than a window is brought up from disk and copied a window at a time.
         window = self.cpu_window(pool)
         loaded = 0
         while loaded < len(keys):
             part = keys[loaded : loaded + window]
-            n = self._load_window(pool, part, slots[loaded : loaded + len(part)], reused)
+            n = self._load_window(pool, part, slots[loaded : loaded + len(part)], reused, caller)
             loaded += n
             if n < len(part):
                 break
@@ -312,7 +318,8 @@ class PrefixStore:
         return stored[: int(np.searchsorted(below, self.cpu_window(pool), side="right"))]
 
     def _load_window(
-        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held
+        self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held,
+        caller: Caller | None,
     ) -> int:
         """Copy the stored prefix of ``keys`` (a window: all of it protected until copied) a
         chunk at a time, each chunk's copies under way while the next chunk's keys are looked
@@ -327,9 +334,13 @@ class PrefixStore:
         try:
             with self.lend(pool, Direction.CPU_TO_GPU) as loan:
                 for i, size in enumerate(sizes):
-                    rows = self.resident_prefix(pool, salted.span(at, at + size), loan)
+                    if caller is not None and caller.gone:
+                        break
+                    rows = self.resident_prefix(pool, salted.span(at, at + size), loan,
+                                                None if caller is None else caller.patience)
                     held.append(rows)
-                    batches += self._copy_in(pool, rows, slots[at : at + len(rows)], loan)
+                    batches += self._copy_in(pool, rows, slots[at : at + len(rows)], loan,
+                                             caller)
                     at += len(rows)
                     if len(rows) < size:
                         break
@@ -382,12 +393,13 @@ class PrefixStore:
         return stager.staged(salted)
 
     def _copy_in(
-        self, pool: Pool, rows: np.ndarray, slots: list[int], loan: LaneLoan | None = None
+        self, pool: Pool, rows: np.ndarray, slots: list[int], loan: LaneLoan | None = None,
+        caller: Caller | None = None,
     ) -> list[Moves]:
         """Start copying CPU-resident keyed pages into pool slots (urgent: a load waits)."""
         if not len(rows):
             return []
-        copies = Copies(pool, Direction.CPU_TO_GPU, loan)
+        copies = Copies(pool, Direction.CPU_TO_GPU, loan, caller)
         copies.add(rows, self._core.table.slot[rows], np.array(slots, dtype=np.int64))
         return copies.submit(self._core, urgent=True)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.caller import Caller
 from kvtier.types import Direction
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class Moves:
     # A copy batch of a registered pool's layer group: only the pool's segments [lo, hi) of
     # each page (the same byte range of each CPU page) are copied; None: whole pages.
     segments: tuple[int, int] | None = None
+    # A copy batch of a call whose caller may give up: not launched once it has
+    # (``kvtier/caller.py``: the caller may have reused the memory it would write).
+    caller: Caller | None = None
 
     def __post_init__(self) -> None:
         self.srcs, self.dsts = as_index(self.srcs), as_index(self.dsts)
@@ -113,6 +117,7 @@ class Moves:
             (self.origin or self) if self.copy else None,
             self.at,
             segments=self.segments,
+            caller=self.caller,
         )
         self.srcs, self.dsts, self.rows = self.srcs[k:], self.dsts[k:], self.rows[k:]
         self.at += k

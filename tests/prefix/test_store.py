@@ -3,10 +3,12 @@ that repeat or were stored at another page size (real engines in CPU mode, real 
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 
 import pytest
 
+from kvtier.caller import Caller
 from kvtier.errors import Unavailable
 from kvtier.prefix.chunks import FIRST_CHUNK, chunk_sizes
 from kvtier.types import Tier
@@ -138,3 +140,27 @@ def test_stores_of_one_key_at_once_keep_one_page_of_it(make_engine):
     with core.cond:
         repeated = [k for k, n in Counter(core.table.key_of.values()).items() if n > 1]
     assert repeated == []
+
+
+def test_a_load_for_a_caller_gone_copies_nothing(make_engine):
+    """``engine.load(.., caller)``: no copy once the caller is gone (``kvtier/caller.py``), for
+    blocks in the CPU tier and on disk alike, by give_up or by deadline; a caller still
+    waiting gets every block."""
+    engine = make_engine(cpu_memory_gb=4 * PAGE / 2**30, disk_admission="always")
+    pool = engine.attach("t", 16)
+    slots = [s for _, s in engine.allocate(pool.pool_id, 16)]
+    seg = pool.segments[0]
+    for i, s in enumerate(slots[:8]):
+        seg[s].fill_(i + 1)
+    keys = [f"gone{i}".encode() for i in range(8)]
+    assert engine.store(pool.pool_id, keys, slots[:8]) == 8
+    assert Tier.DISK in engine.lookup("t", keys) and Tier.CPU in engine.lookup("t", keys)
+    gave_up = Caller()
+    gave_up.give_up()
+    for caller in (gave_up, Caller(time.monotonic() - 1)):
+        for s in slots[8:]:
+            seg[s].fill_(0xEE)
+        assert engine.load(pool.pool_id, keys, slots[8:], caller) == 0
+        assert all(bool((seg[s] == 0xEE).all()) for s in slots[8:])
+    assert engine.load(pool.pool_id, keys, slots[8:], Caller(time.monotonic() + 60)) == 8
+    assert all(bool((seg[s] == i + 1).all()) for i, s in enumerate(slots[8:]))
