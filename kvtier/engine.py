@@ -325,8 +325,9 @@ class TierEngine:
             self.release(pool_id, [page_id])
 
     # -- prefix reuse (delegates) -----------------------------------------------------------------
-    def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
-        return self.prefix.store(pool_id, keys, slots)
+    def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
+              caller: Caller | None = None) -> int:
+        return self.prefix.store(pool_id, keys, slots, caller)
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Tier]:
         return self.prefix.lookup(tenant, keys)

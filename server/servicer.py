@@ -264,17 +264,18 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     # --- prefix reuse -----------------------------------------------------------------------
     async def Store(self, req: pb.StoreRequest, ctx: Ctx) -> pb.CountReply:
         pool_id = PoolId(req.pool.pool_id)
+        caller = caller_of(ctx)  # no copy once the caller may have reused its memory
 
         def call() -> pb.CountReply:
             pool = self._pool(req)
             keys, slots = validate.keyed_slots(req.keys, req.slots)
-            n = self._engine.store(pool, keys, [SlotIndex(s) for s in slots])
+            n = self._engine.store(pool, keys, [SlotIndex(s) for s in slots], caller)
             return pb.CountReply(count=n)
 
         def undo(_: pb.CountReply) -> None:  # the caller gave up: it may have reused its memory
             self._engine.forget(pool_id, list(req.keys))
 
-        return await self._run(ctx, call, undo)
+        return await self._run(ctx, call, undo, caller)
 
     async def Lookup(self, req: pb.LookupRequest, ctx: Ctx) -> pb.LookupReply:
         def call() -> pb.LookupReply:

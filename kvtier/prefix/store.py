@@ -81,7 +81,10 @@ class PrefixStore:
                 )
         return keys, slots
 
-    def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+    def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
+              caller: Caller | None = None) -> int:
+        """See the module docstring; with a ``caller``, nothing more is copied once it is gone
+        (``kvtier/caller.py``: it may have reused its slots); those keys are not stored."""
         core = self._core
         with core.cond:
             pool = self.pool(pool_id)
@@ -89,8 +92,10 @@ class PrefixStore:
             stored, at, full = 0, 0, True
             started: list[Moves] = []  # each chunk's copies start before the next is hashed
             with self.lend(pool, Direction.GPU_TO_CPU) as loan:
-                pending = Copies(pool, Direction.GPU_TO_CPU, loan)
+                pending = Copies(pool, Direction.GPU_TO_CPU, loan, caller)
                 for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
+                    if caller is not None and caller.gone:
+                        break
                     todo, busy = self._new_keys(pool, keys[at : at + size],
                                                 slots[at : at + size])
                     stored += size - len(todo) - busy  # already stored (or earlier in this call)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvtier import OffloadConfig, TierEngine
+from kvtier.caller import Caller
 from kvtier.types import PoolId
 from kvtier.v1 import kvtier_pb2 as pb
 from server import layers
@@ -70,7 +71,7 @@ def test_a_stalled_reader_holds_nothing(engine: TierEngine) -> None:
 
     async def drive() -> list[tuple[int, int]]:
         ex = ThreadPoolExecutor(2)
-        stream = layers.stream(engine, ex, owned, req, None)
+        stream = layers.stream(engine, ex, owned, req, None, Caller())
         first = await stream.__anext__()
         ex.shutdown(wait=True)  # the load ends with two replies still unread
         assert seen == ["yield 3"] * 3 + ["closed"]
@@ -88,7 +89,7 @@ def test_a_stream_closed_early_closes_the_engine_generator(engine: TierEngine) -
 
     async def drive() -> None:
         with ThreadPoolExecutor(2) as ex:  # its exit waits for the worker
-            stream = layers.stream(engine, ex, owned, req, None)
+            stream = layers.stream(engine, ex, owned, req, None, Caller())
             assert (await stream.__anext__()).count == 2
             await stream.aclose()
 
