@@ -72,6 +72,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise InvalidArgument("state_tier", f"{state_tier!r}; accepted: {'|'.join(_TIERS)}")
         if state_tier == "disk" and disk_path is None and disk_store is None:
             raise InvalidArgument("disk_path", "state_tier='disk' needs disk_path or disk_store")
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0 \
+                or timeout_s == float("inf"):
+            raise InvalidArgument("timeout_s", f"{timeout_s!r}; accepted: a finite number > 0")
         super().__init__(params, dict(optim_kwargs))
         self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
         self.step_in_backward = step_in_backward and (mode == "cpu" or state_tier == "cpu")
@@ -164,10 +167,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not self.step_in_backward or self._no_sync:
             return
         b = self.buckets[gb.index]
-        if b.future is not None:
+        if b.pending:
             raise FailedPrecondition(
                 f"optimizer bucket {b.index} got gradients again after its step started in "
                 "backward: accumulate inside no_sync() or pass step_in_backward=False")
+        self._submit(b)
+
+    def _submit(self, b: OptBucket) -> None:
+        b.pending = True
         b.future = self.executor.submit(self._cpu_step, b)
 
     def _watch_device_grads(self) -> None:
@@ -207,7 +214,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             params = [p for g in self.param_groups for p in g["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                   error_if_nonfinite)
-        if any(b.future is not None for b in self.buckets):
+        if any(b.pending for b in self.buckets):
             raise FailedPrecondition("bucket steps already started (step_in_backward): "
                                      "gradients can no longer be clipped")
         return self.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
@@ -263,22 +270,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return FlatLayout.build([p.shape for p in b.params], [("w", b.params[0].dtype)])
 
     def _wait(self, b: OptBucket) -> None:
-        fut, b.future = b.future, None
+        """Wait for bucket ``b``'s step in flight, if any. One not done in time stays owned
+        (still in flight, still pending): waiting again later picks it up, never resubmits."""
+        if b.future is None:
+            return
         try:
-            fut.result(timeout=self.timeout_s)
+            b.future.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise DeadlineExceeded(f"optimizer bucket {b.index} step not done after "
                                    f"{self.timeout_s}s") from None
+        b.future = None
 
     def _step_cpu(self) -> None:
         assert self.grads is not None
         self.grads.flush()
         for b in self.buckets:
-            if b.future is None:
-                b.future = self.executor.submit(self._cpu_step, b)
+            if not b.pending:
+                self._submit(b)
         for b in self.buckets:
             self._wait(b)
+        for b in self.buckets:
             StreamPair.wait_on_compute(self._h2d[b.index])
+            b.pending = False
         self.states.flush()
         self.grads.zero()
 
@@ -290,9 +303,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _finish(self) -> None:
+        """Wait for every step in flight; steps of the current round stay pending."""
         for b in self.buckets:
-            if b.future is not None:
-                self._wait(b)
+            self._wait(b)
         StreamPair.synchronize(*self._h2d, *(self.stepper.out if self.stepper else []))
         self.states.flush()
 
@@ -323,6 +336,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved; working weights are re-synced from the master."""
         self._finish()
+        for b in self.buckets:
+            b.pending = False  # steps of this round are overwritten: step() runs them again
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise InvalidArgument("state_dict", "param_groups do not match this optimizer")
         for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):

@@ -59,6 +59,7 @@ class OptBucket:
         holders = [torch.empty(0, dtype=dtype, device=compute_device) for _ in params]
         self.inner = optimizer_class(holders, **kwargs)
         self.future: Any = None  # an in-flight CPU step
+        self.pending = False  # cpu mode: stepped (or in flight) since the last step() ended
 
     @property
     def has_master(self) -> bool:

@@ -1,0 +1,94 @@
+"""OffloadedOptimizer's step lifecycle: each round of gradients is applied exactly once,
+whatever is called between backward() and step() (state_dict, a retried step, a skipped step,
+a changed learning rate), and bit for bit as ``torch.optim.AdamW`` in fp32."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.errors import DeadlineExceeded, InvalidArgument
+from kvtier.training import OffloadedOptimizer
+
+SHAPES = [(7, 5), (13,), (4, 6)]
+HP: dict[str, Any] = dict(lr=1e-2, weight_decay=0.1)
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def clone(ps: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in ps]
+
+
+def backward(ps: list[torch.nn.Parameter], step: int) -> None:
+    """loss = sum(p * g): each parameter's gradient is a fixed random tensor."""
+    g = torch.Generator().manual_seed(100 + step)
+    sum((p * torch.randn(p.shape, generator=g)).sum() for p in ps).backward()  # type: ignore[union-attr]
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def offloaded(ps: list[torch.nn.Parameter], arena: Any, **kw: Any) -> OffloadedOptimizer:
+    return OffloadedOptimizer(ps, torch.optim.AdamW, arena=arena, bucket_mb=1e-4,
+                              **{**HP, **kw})
+
+
+def reference(ps: list[torch.nn.Parameter], steps: range) -> None:
+    ref = torch.optim.AdamW(ps, fused=True, **HP)
+    for s in steps:
+        backward(ps, s)
+        ref.step()
+        ref.zero_grad()
+
+
+@pytest.mark.parametrize("call", ["state_dict"])
+def test_checkpoint_between_backward_and_step_applies_each_step_once(arena: Any,
+                                                                      call: str) -> None:
+    ref, ours = make_params(), make_params()
+    reference(ref, range(3))
+    opt = offloaded(ours, arena, mode="cpu")
+    assert opt.step_in_backward and len(opt.buckets) > 1
+    for s in range(3):
+        backward(ours, s)
+        sd = opt.state_dict()
+        if call == "load_state_dict":
+            opt.load_state_dict(sd)
+        opt.step()
+        opt.zero_grad()
+    assert equal(ref, ours)
+    assert opt.state_dict()["state"][0]["step"].item() == 3
+    opt.close()
+
+
+def test_retrying_a_step_that_timed_out_applies_it_once(arena: Any) -> None:
+    ref, ours = make_params(), make_params()
+    reference(ref, range(2))
+    opt = offloaded(ours, arena, mode="cpu", step_in_backward=False, timeout_s=0.05)
+    release = threading.Event()
+    opt.executor.submit(release.wait)  # the worker is busy: the step cannot finish in time
+    backward(ours, 0)
+    with pytest.raises(DeadlineExceeded):
+        opt.step()
+    release.set()
+    opt.timeout_s = 30.0
+    opt.step()  # completes the step that timed out, applying its gradients once
+    opt.zero_grad()
+    backward(ours, 1)
+    opt.step()
+    opt.zero_grad()
+    assert equal(ref, ours)
+    opt.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1"])
+def test_timeout_must_be_a_positive_number(arena: Any, bad: Any) -> None:
+    with pytest.raises(InvalidArgument, match="timeout_s"):
+        offloaded(make_params(), arena, timeout_s=bad)
