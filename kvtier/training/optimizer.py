@@ -26,6 +26,8 @@ Contract:
       bucket ``i`` steps and bucket ``i - 1`` is written back. With ``step_in_backward`` (not
       for the disk tier) a bucket steps on the compute stream as soon as autograd has
       accumulated its gradients, which are then freed; ``no_sync()`` as in cpu mode.
+      Parameters of any strides (transposed, sliced) step exactly: each bucket steps on
+      contiguous tensors (the host copies in cpu mode, a contiguous copy in gpu_stream mode).
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
       read one bucket ahead of use.
     * ``master_weights`` (cpu mode: the host copy is fp32 when True, the working dtype when

@@ -92,16 +92,19 @@ class DeviceStepper:
     def _step(self, b: OptBucket, dev: torch.Tensor, blob: torch.Tensor) -> CopyDone | None:
         """Step bucket ``b`` staged in ``dev``; start writing it back to ``blob``."""
         views = b.views(dev)
-        targets = views["master"] if b.has_master else b.params
+        # the states are staged contiguous and a fused kernel steps a parameter, its gradient
+        # and its states as if their strides were the same: a strided parameter (a transposed
+        # weight, a slice) steps on a contiguous copy that is then copied back
+        targets = views["master"] if b.has_master else [p.contiguous() for p in b.params]
         mdt = b.master_dtype
-        grads = [None if p.grad is None else p.grad.to(mdt) if mdt else p.grad
+        grads = [None if p.grad is None else (p.grad.to(mdt) if mdt else p.grad).contiguous()
                  for p in b.params]
         b.run(targets, grads, views, self.hyper(b))
         for p in b.params:
             p.grad = None  # consumed: the device memory goes back before backward ends
-        if b.has_master:
-            for p, m in zip(b.params, views["master"], strict=True):
-                p.copy_(m)
+        for p, t in zip(b.params, targets, strict=True):
+            if t is not p:
+                p.copy_(t)
         return self.streams.copy_many("d2h", [blob], [dev])
 
     def finish(self) -> None:
