@@ -158,12 +158,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ---- gradients -------------------------------------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients only (no early bucket steps)."""
+        """Backward passes inside accumulate gradients only (no early bucket steps). Leaving
+        it ends the accumulation: gradients of buckets that got only some of theirs move to the
+        host (cpu mode) and no bucket counts a parameter as arrived for the next backward."""
         prev, self._no_sync = self._no_sync, True
         try:
             yield
         finally:
+            if not prev:
+                self._end_accumulation()
             self._no_sync = prev
+
+    def _end_accumulation(self) -> None:
+        if self.grads is not None:
+            self.grads.flush()  # no step: still inside no_sync
+        for arrived in self._arrived:
+            arrived.clear()
 
     def _on_grads_ready(self, gb: GradBucket) -> None:
         if not self.step_in_backward or self._no_sync:

@@ -37,8 +37,8 @@ def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def offloaded(ps: list[torch.nn.Parameter], arena: Any, **kw: Any) -> OffloadedOptimizer:
-    return OffloadedOptimizer(ps, torch.optim.AdamW, arena=arena, bucket_mb=1e-4,
-                              **{**HP, **kw})
+    return OffloadedOptimizer(ps, torch.optim.AdamW, arena=arena,
+                              **{"bucket_mb": 1e-4, **HP, **kw})
 
 
 def reference(ps: list[torch.nn.Parameter], steps: range) -> None:
@@ -92,3 +92,29 @@ def test_retrying_a_step_that_timed_out_applies_it_once(arena: Any) -> None:
 def test_timeout_must_be_a_positive_number(arena: Any, bad: Any) -> None:
     with pytest.raises(InvalidArgument, match="timeout_s"):
         offloaded(make_params(), arena, timeout_s=bad)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
+def test_accumulation_with_a_parameter_unused_in_an_earlier_micro_batch(arena: Any,
+                                                                        mode: str) -> None:
+    def micro(ps: list[torch.nn.Parameter], s: int, m: int) -> None:
+        used = ps if m == 1 else ps[:1]  # ps[1:] only get gradients in the last micro-batch
+        backward(used, 10 * s + m)
+
+    ref, ours = make_params(), make_params()
+    r = torch.optim.AdamW(ref, fused=True, **HP)
+    opt = offloaded(ours, arena, mode=mode, bucket_mb=1)  # one bucket holds every parameter
+    assert len(opt.buckets) == 1
+    for s in range(3):
+        micro(ref, s, 0)
+        micro(ref, s, 1)
+        r.step()
+        r.zero_grad()
+        with opt.no_sync():
+            micro(ours, s, 0)
+        micro(ours, s, 1)
+        opt.step()
+        opt.zero_grad()
+    assert equal(ref, ours)
+    assert all(p.grad is None for p in ours)
+    opt.close()
