@@ -20,12 +20,25 @@ Contract:
       Steps in backward assume that no backward work queued after a parameter's gradient is
       complete reads that parameter (true of autograd's own nodes, which read a weight in the
       node that produces its gradient; not of a use through ``.detach()``).
+      A step taken in backward keeps a copy of its bucket as it was before (host memory as
+      large as the bucket's master weights and states, until ``step()``), so it is only final
+      at ``step()``: ``zero_grad()`` without ``step()`` (a skipped step) puts parameters and
+      states back exactly, ``state_dict()`` before ``step()`` gives the state as of the last
+      ``step()``, ``load_state_dict()`` drops it (``step()`` then steps the loaded state), and
+      a bucket whose group's hyper-parameters (``lr``, ...) changed before ``step()`` is put
+      back and stepped again with the new ones. A ``step()`` that raised
+      :class:`DeadlineExceeded` stays in flight and owned: calling ``step()`` again finishes
+      it (the gradients are applied once); ``zero_grad()`` waits for it and keeps it.
     * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
       the working dtype is not fp32 and ``master_weights``) live on the host and are streamed
       through two device staging buffers (``streamed.py``): bucket ``i + 1`` is loaded while
       bucket ``i`` steps and bucket ``i - 1`` is written back. With ``step_in_backward`` (not
       for the disk tier) a bucket steps on the compute stream as soon as autograd has
-      accumulated its gradients, which are then freed; ``no_sync()`` as in cpu mode.
+      accumulated its gradients, which are then freed; ``no_sync()`` as in cpu mode. Such a
+      step cannot be undone: ``zero_grad()`` after it without ``step()`` raises
+      :class:`FailedPrecondition` (changing nothing), and so does ``step()`` when the group's
+      hyper-parameters changed since; skip steps or change them between backward and
+      ``step()`` only with ``step_in_backward=False``.
       Parameters of any strides (transposed, sliced) step exactly: each bucket steps on
       contiguous tensors (the host copies in cpu mode, a contiguous copy in gpu_stream mode).
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
@@ -49,9 +62,17 @@ import torch
 from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from kvtier.training.base import MIB, BufferArena, default_arena, get_buffer
 from kvtier.training.buckets import FlatLayout, make_buckets
+from kvtier.training.checkpoint import check_state_dict, load_state, saved_state
 from kvtier.training.gradients import GradBucket, GradientOffloader
 from kvtier.training.states import StateStore
-from kvtier.training.stepping import OptBucket, state_keys, with_fused
+from kvtier.training.stepping import (
+    OptBucket,
+    StepUndo,
+    hyper_of,
+    same_hyper,
+    state_keys,
+    with_fused,
+)
 from kvtier.training.streamed import DeviceStepper
 from kvtier.training.streams import StreamPair
 
@@ -183,11 +204,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise FailedPrecondition(
                 f"optimizer bucket {b.index} got gradients again after its step started in "
                 "backward: accumulate inside no_sync() or pass step_in_backward=False")
-        self._submit(b)
+        self._submit(b, undo=True)
 
-    def _submit(self, b: OptBucket) -> None:
+    def _submit(self, b: OptBucket, undo: bool = False) -> None:
         b.pending = True
-        b.future = self.executor.submit(self._cpu_step, b)
+        b.future = self.executor.submit(self._cpu_step, b, undo)
 
     def _watch_device_grads(self) -> None:
         """gpu_stream: step each bucket once autograd has accumulated all of its gradients."""
@@ -232,6 +253,21 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients. Steps taken in backward since the last ``step()`` are
+        discarded (cpu mode: parameters and states put back exactly; gpu_stream mode cannot
+        undo them and refuses, changing nothing)."""
+        if self.stepper is not None and self.stepper.done:
+            raise FailedPrecondition(
+                "buckets already stepped in this backward (gpu_stream, step_in_backward) and "
+                "cannot be undone: call step() to finish the step, or pass "
+                "step_in_backward=False to be able to skip steps")
+        if any(b.pending for b in self.buckets):
+            self._finish()
+            for b in self.buckets:
+                if b.undo is not None:
+                    self._discard(b)
+                b.pending = False  # a step() that timed out is kept: it was asked for
+            self.states.flush()
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -255,16 +291,27 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self.param_groups[b.group]
 
     @torch.no_grad()
-    def _cpu_step(self, b: OptBucket) -> None:
-        """Worker thread: step bucket ``b`` on its host copy, then start its weight copy back."""
+    def _cpu_step(self, b: OptBucket, undo: bool) -> None:
+        """Worker thread: step bucket ``b`` on its host copy, then start its weight copy back.
+        ``undo``: keep the bucket as it was before (a step in backward, discarded unless
+        ``step()`` follows with the same hyper-parameters)."""
         assert self.grads is not None
         gb = self.grads.buckets[b.index]
-        StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
         blob = self.states.acquire(b.index)
         self.states.prefetch_next(b.index)
+        if undo:
+            b.undo = StepUndo(b, blob, self.arena)
         views = b.views(blob)
         grads = [g if ok else None for g, ok in zip(gb.grads, gb.present, strict=True)]
+        b.used = hyper_of(self._hyper(b))
         b.run(views["master"], grads, views, self._hyper(b))
+        self._copy_back(b, views, gb.landed)
+        self.states.release(b.index, dirty=True)
+
+    def _copy_back(self, b: OptBucket, views: dict[str, list[torch.Tensor]],
+                   landed: Any) -> None:
+        """Start copying bucket ``b``'s master weights (cast) to its working parameters."""
+        StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
         cast = self._cast[b.index]
         srcs = views["master"]
         if cast is not None:
@@ -274,8 +321,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # the bucket's weights were last used by backward work enqueued before its gradient
         # copy: the copy back needs no later point of the compute stream
         self._h2d[b.index] = self.streams.copy_many(
-            "h2d", list(b.params), srcs, after=gb.landed, after_compute=gb.landed is None)
+            "h2d", list(b.params), srcs, after=landed, after_compute=landed is None)
+
+    @torch.no_grad()
+    def _discard(self, b: OptBucket) -> None:
+        """Put bucket ``b`` back as it was before its step in backward (none in flight)."""
+        assert b.undo is not None
+        blob = self.states.acquire(b.index)
+        b.undo.restore(b, blob)
+        self._copy_back(b, b.views(blob), None)
         self.states.release(b.index, dirty=True)
+        b.undo.free()
+        b.undo, b.pending = None, False
 
     @staticmethod
     def _cast_layout(b: OptBucket) -> FlatLayout:
@@ -301,14 +358,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._submit(b)
         for b in self.buckets:
             self._wait(b)
+        for b in self.buckets:  # stepped in backward before the hyper-parameters changed
+            if b.undo is not None and not same_hyper(b.used, hyper_of(self._hyper(b))):
+                self._discard(b)
+                self._submit(b)
+                self._wait(b)
         for b in self.buckets:
             StreamPair.wait_on_compute(self._h2d[b.index])
-            b.pending = False
+            if b.undo is not None:
+                b.undo.free()
+            b.undo, b.pending = None, False
         self.states.flush()
         self.grads.zero()
 
     def _step_gpu_stream(self) -> None:
         assert self.stepper is not None
+        for k in sorted(self.stepper.done):
+            b = self.buckets[k]
+            if not same_hyper(b.used, hyper_of(self._hyper(b))):
+                raise FailedPrecondition(
+                    f"hyper-parameters of group {b.group} changed after optimizer bucket {k} "
+                    "stepped in backward (gpu_stream cannot redo it): set them before "
+                    "backward, or pass step_in_backward=False")
         self.stepper.finish()
         for arrived in self._arrived:
             arrived.clear()  # parameters that got no gradient this step
@@ -321,59 +392,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         StreamPair.synchronize(*self._h2d, *(self.stepper.out if self.stepper else []))
         self.states.flush()
 
-    def _param_ids(self) -> dict[int, int]:
-        ids: dict[int, int] = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                ids.setdefault(id(p), len(ids))
-        return ids
-
     def state_dict(self) -> dict[str, Any]:
-        """Master weights, states and hyper-parameters, keyed by parameter position."""
+        """Master weights, states and hyper-parameters, keyed by parameter position; between
+        backward and ``step()`` (cpu mode) as of the last ``step()``, as ``torch.optim``."""
         self._finish()
-        pid, state = self._param_ids(), {}
-        for b in self.buckets:
-            views = b.views(self.states.acquire(b.index))
-            for j, p in enumerate(b.params):
-                st = b.scalars(j)
-                names = (["master"] if b.has_master else []) + (b.keys if b.has_state[j] else [])
-                st.update({k: views[k][j].clone() for k in names})
-                state[pid[id(p)]] = st
-            self.states.release(b.index, dirty=False)
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [pid[id(p)] for p in g["params"]]} for g in self.param_groups]
-        return {"state": state, "param_groups": groups}
+        return saved_state(self)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved; working weights are re-synced from the master."""
         self._finish()
-        for b in self.buckets:
-            b.pending = False  # steps of this round are overwritten: step() runs them again
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise InvalidArgument("state_dict", "param_groups do not match this optimizer")
-        for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            g.update({k: v for k, v in saved.items() if k != "params"})
-        pid, state = self._param_ids(), state_dict["state"]
-        for b in self.buckets:
-            views = b.views(self.states.acquire(b.index))
-            for j, p in enumerate(b.params):
-                st = state.get(pid[id(p)], {})
-                self._load_param(b, j, st, views)
-                if b.has_master:
-                    p.copy_(views["master"][j])
-            self.states.release(b.index, dirty=True)
-        self.states.flush()
-
-    def _load_param(self, b: OptBucket, j: int, st: dict[str, Any],
-                    views: dict[str, list[torch.Tensor]]) -> None:
-        if b.has_master and "master" in st:
-            views["master"][j].copy_(st["master"])
-        b.has_state[j] = all(k in st for k in b.keys) and bool(b.keys)
-        if b.has_state[j]:
-            for k in b.keys:
-                views[k][j].copy_(st[k])
-        b.load_scalars(j, {k: v for k, v in st.items() if k not in b.keys and k != "master"})
+        check_state_dict(self, state_dict)
+        for b in self.buckets:  # steps taken in backward are dropped: step() runs them again
+            if b.undo is not None:
+                self._discard(b)
+            b.pending = False
+        load_state(self, state_dict)
 
     def close(self) -> None:
         """Stop the worker, remove hooks and return host buffers to the arena."""

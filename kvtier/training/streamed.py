@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvtier.training.stepping import OptBucket
+from kvtier.training.stepping import OptBucket, hyper_of
 from kvtier.training.streams import CopyDone, StreamPair
 
 SLOTS = 2
@@ -99,6 +99,7 @@ class DeviceStepper:
         mdt = b.master_dtype
         grads = [None if p.grad is None else (p.grad.to(mdt) if mdt else p.grad).contiguous()
                  for p in b.params]
+        b.used = hyper_of(self.hyper(b))
         b.run(targets, grads, views, self.hyper(b))
         for p in b.params:
             p.grad = None  # consumed: the device memory goes back before backward ends

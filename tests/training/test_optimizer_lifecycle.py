@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.errors import DeadlineExceeded, InvalidArgument
+from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from kvtier.training import OffloadedOptimizer
 
 SHAPES = [(7, 5), (13,), (4, 6)]
@@ -49,7 +49,7 @@ def reference(ps: list[torch.nn.Parameter], steps: range) -> None:
         ref.zero_grad()
 
 
-@pytest.mark.parametrize("call", ["state_dict"])
+@pytest.mark.parametrize("call", ["state_dict", "load_state_dict"])
 def test_checkpoint_between_backward_and_step_applies_each_step_once(arena: Any,
                                                                       call: str) -> None:
     ref, ours = make_params(), make_params()
@@ -117,4 +117,90 @@ def test_accumulation_with_a_parameter_unused_in_an_earlier_micro_batch(arena: A
         opt.zero_grad()
     assert equal(ref, ours)
     assert all(p.grad is None for p in ours)
+    opt.close()
+
+
+def test_zero_grad_without_step_discards_the_step_taken_in_backward(arena: Any) -> None:
+    ref, ours = make_params(), make_params()
+    r = torch.optim.AdamW(ref, fused=True, **HP)
+    opt = offloaded(ours, arena, mode="cpu")
+    for s in range(4):
+        skip = s in (0, 2)  # the very first step too: states not created yet
+        backward(ref, s)
+        if not skip:
+            r.step()
+        r.zero_grad()
+        backward(ours, s)
+        opt._finish()  # the steps in backward are done: the skip must undo them
+        if not skip:
+            opt.step()
+        opt.zero_grad()
+        assert equal(ref, ours), s
+    assert opt.state_dict()["state"][0]["step"].item() == 2
+    opt.close()
+
+
+def test_gpu_stream_refuses_to_skip_a_step_taken_in_backward(arena: Any) -> None:
+    ours = make_params()
+    opt = offloaded(ours, arena, mode="gpu_stream")
+    backward(ours, 0)
+    with pytest.raises(FailedPrecondition, match="step_in_backward=False"):
+        opt.zero_grad()
+    opt.step()  # the refusal changed nothing: the step can still be finished
+    opt.zero_grad()
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
+def test_lr_set_between_backward_and_step(arena: Any, mode: str) -> None:
+    ref, ours = make_params(), make_params()
+    r = torch.optim.AdamW(ref, fused=True, **HP)
+    opt = offloaded(ours, arena, mode=mode)
+    for s in range(3):
+        lr = 1e-2 * (s + 1) * 10
+        backward(ref, s)
+        for g in r.param_groups:
+            g["lr"] = lr
+        r.step()
+        r.zero_grad()
+        backward(ours, s)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if mode == "gpu_stream":  # stepped with the old lr, cannot be redone
+            with pytest.raises(FailedPrecondition, match="hyper-parameters"):
+                opt.step()
+            opt.close()
+            return
+        opt.step()  # cpu mode: the buckets stepped with the old lr are stepped again
+        opt.zero_grad()
+        assert equal(ref, ours), s
+    opt.close()
+
+
+@pytest.mark.parametrize("bad", ["groups", "params", "shape"])
+def test_load_state_dict_that_does_not_fit_changes_nothing(arena: Any, bad: str) -> None:
+    ours = make_params()
+    opt = offloaded(ours, arena, mode="cpu")
+    backward(ours, 0)
+    opt.step()
+    opt.zero_grad()
+    sd, before = opt.state_dict(), [p.detach().clone() for p in ours]
+    wrong = {"state": dict(sd["state"]), "param_groups": [dict(g) for g in sd["param_groups"]]}
+    wrong["param_groups"][0]["lr"] = 123.0
+    if bad == "groups":
+        wrong["param_groups"].append(dict(wrong["param_groups"][0]))
+    elif bad == "params":
+        wrong["param_groups"][0]["params"] = [0]
+    else:  # the last parameter's states would otherwise broadcast silently
+        last = len(ours) - 1
+        wrong["state"][last] = {**sd["state"][last],
+                                "exp_avg": torch.zeros(ours[last].shape[1:])}
+        with torch.no_grad():
+            for p in ours:
+                p.zero_()  # load re-syncs weights first of all: must not happen either
+        before = [p.detach().clone() for p in ours]
+    with pytest.raises(InvalidArgument, match="state_dict"):
+        opt.load_state_dict(wrong)
+    assert opt.param_groups[0]["lr"] == HP["lr"]
+    assert equal(before, ours)
     opt.close()
