@@ -98,6 +98,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not isinstance(timeout_s, int | float) or not timeout_s > 0 \
                 or timeout_s == float("inf"):
             raise InvalidArgument("timeout_s", f"{timeout_s!r}; accepted: a finite number > 0")
+        self._closed = False
         super().__init__(params, dict(optim_kwargs))
         self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
         self.step_in_backward = step_in_backward and (mode == "cpu" or state_tier == "cpu")
@@ -108,6 +109,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.buckets = self._make_buckets(optimizer_class, int(bucket_mb * MIB))
         self._disk = disk_store if disk_store is not None or state_tier == "cpu" else \
             self._open_disk(disk_path or "")
+        self._own_disk = self._disk is not None and disk_store is None
         self.states = StateStore([b.layout.nbytes for b in self.buckets], self.arena, self._disk)
         self._cast = [self._cast_buffer(b) for b in self.buckets]
         self._init_masters()
@@ -132,9 +134,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ---- construction ----------------------------------------------------------------------
     def _make_buckets(self, cls: type[torch.optim.Optimizer], nbytes: int) -> list[OptBucket]:
         out: list[OptBucket] = []
-        keys_by_dtype: dict[torch.dtype, list[tuple[str, torch.dtype]]] = {}
         for gi, group in enumerate(self.param_groups):
+            # the state a group keeps depends on its own options (amsgrad, momentum, ...)
             kwargs = {**self._kwargs, **{k: v for k, v in group.items() if k != "params"}}
+            keys_by_dtype: dict[torch.dtype, list[tuple[str, torch.dtype]]] = {}
             for plist in make_buckets([p for p in group["params"] if p.requires_grad], nbytes):
                 mdt = self._master_dtype(plist[0])
                 sdt = mdt or plist[0].dtype
@@ -261,6 +264,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "buckets already stepped in this backward (gpu_stream, step_in_backward) and "
                 "cannot be undone: call step() to finish the step, or pass "
                 "step_in_backward=False to be able to skip steps")
+        self._check_open()
         if any(b.pending for b in self.buckets):
             self._finish()
             for b in self.buckets:
@@ -277,15 +281,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ---- step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_untracked()
         if self.mode == "cpu":
             self._step_cpu()
         else:
             self._step_gpu_stream()
         return loss
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "buckets"):  # torch.optim's constructor adds the initial groups
+            raise FailedPrecondition("add_param_group after construction is not supported: "
+                                     "build a new OffloadedOptimizer over every group")
+        super().add_param_group(param_group)
+
+    def _check_untracked(self) -> None:
+        """Refuse (before any change) a parameter frozen at construction that got a grad."""
+        tracked = {id(p) for b in self.buckets for p in b.params}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in tracked and p.grad is not None:
+                    raise FailedPrecondition(
+                        "a parameter frozen when the optimizer was built has a gradient: "
+                        "unfreezing is not supported, build a new OffloadedOptimizer")
 
     def _hyper(self, b: OptBucket) -> dict[str, Any]:
         return self.param_groups[b.group]
@@ -395,12 +417,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Master weights, states and hyper-parameters, keyed by parameter position; between
         backward and ``step()`` (cpu mode) as of the last ``step()``, as ``torch.optim``."""
+        self._check_open()
         self._finish()
         return saved_state(self)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved; working weights are re-synced from the master."""
+        self._check_open()
         self._finish()
         check_state_dict(self, state_dict)
         for b in self.buckets:  # steps taken in backward are dropped: step() runs them again
@@ -409,9 +433,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             b.pending = False
         load_state(self, state_dict)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("the offloaded optimizer is closed")
+
     def close(self) -> None:
-        """Stop the worker, remove hooks and return host buffers to the arena."""
+        """Stop the worker, remove hooks and return host buffers to the arena (once)."""
+        if self._closed:
+            return
         self._finish()
+        self._closed = True
+        for b in self.buckets:
+            if b.undo is not None:
+                b.undo.free()
+                b.undo = None
         for h in self._hooks:
             h.remove()
         if self.grads is not None:
@@ -421,3 +456,5 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if cast is not None:
                 self.arena.put_buffer(cast)
         self.states.close()
+        if self._own_disk:
+            self._disk.close()  # its I/O threads and files; a disk_store given is the caller's
