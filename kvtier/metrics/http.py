@@ -7,7 +7,8 @@ at most ``MAX_CONNS`` open: one beyond closes the oldest that has not sent a who
 half-sent requests can't keep a scraper out. A request not whole within ``READ_TIMEOUT_S``, or
 over ``MAX_REQUEST`` bytes, is closed unanswered. A whole request (any path; a GET) is answered
 with the registry's text exposition, written as the peer reads it (a peer that doesn't is closed
-at the same deadline), and the connection closed.
+at the same deadline), and the connection closed. A connection that fails in any way is
+closed and logged; the endpoint goes on serving the others.
 
 ``serve(host, port, registry) -> MetricsServer``: listening and served on a daemon thread;
 ``server_address`` is the bound address; ``shutdown()`` then ``server_close()`` stop it.
@@ -15,12 +16,15 @@ at the same deadline), and the connection closed.
 
 from __future__ import annotations
 
+import logging
 import selectors
 import socket
 import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger(__name__)
 
 MAX_CONNS = 256
 MAX_REQUEST = 16 << 10
@@ -51,13 +55,25 @@ class MetricsServer:
         while not self._stop.is_set():
             for key, _ in self._sel.select(_TICK_S):
                 conn = key.fileobj
-                if conn is self._listener:
-                    self._accept()
-                elif self._conns[conn][2] is None:  # type: ignore[index]
-                    self._read(conn)  # type: ignore[arg-type]
-                else:
-                    self._write(conn)  # type: ignore[arg-type]
+                try:
+                    self._serve(conn)  # type: ignore[arg-type]
+                except Exception:  # one connection's trouble never ends the endpoint
+                    log.exception("metrics endpoint: a connection failed")
+                    if conn in self._conns:
+                        self._close(conn)  # type: ignore[arg-type]
             self._expire(time.monotonic())
+
+    def _serve(self, conn: socket.socket) -> None:
+        if conn is self._listener:
+            self._accept()
+            return
+        state = self._conns.get(conn)
+        if state is None:  # closed earlier in this batch of events (an accept beyond the cap)
+            return
+        if state[2] is None:
+            self._read(conn)
+        else:
+            self._write(conn)
 
     def _accept(self) -> None:
         try:

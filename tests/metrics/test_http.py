@@ -3,6 +3,7 @@ answered while peers hold half-sent requests, and those peers hold no thread and
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -70,3 +71,25 @@ def test_a_peer_not_reading_its_reply_holds_no_one_up_and_only_get_is_answered(
     bad.sendall(b"POST / HTTP/1.1\r\n\r\n")
     assert bad.recv(64).startswith(b"HTTP/1.1 405")
     bad.close()
+
+
+def test_peers_trickling_bytes_while_others_connect_never_end_the_endpoint(
+        server: http.MetricsServer) -> None:
+    """At ``MAX_CONNS`` an accept closes the oldest connection; when that one also had bytes
+    waiting in the same batch of events, the loop looked it up after it was gone (KeyError)
+    and the endpoint's thread died: scrapes timed out for good while gRPC served on."""
+    addr = server.server_address[:2]
+    peers = [socket.create_connection(addr, timeout=5) for _ in range(http.MAX_CONNS)]
+    for s in peers:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+    for _ in range(3 * http.MAX_CONNS):  # each round: the oldest speaks, a newcomer evicts it
+        oldest = peers.pop(0)
+        with contextlib.suppress(OSError):
+            oldest.sendall(b"X: y\r\n")
+        s = socket.create_connection(addr, timeout=5)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        peers.append(s)
+        oldest.close()
+    for s in peers:
+        s.close()
+    assert "kvtier_probe_total 3.0" in scrape(server)
