@@ -88,6 +88,11 @@ def _prepare_unix(path: str) -> None:
         os.unlink(path)  # stale socket of a crashed daemon
 
 
+def _nothing_to_reload() -> None:
+    log.info("SIGHUP: no tenants file is configured (KVCACHED_OFFLOAD_TENANTS_FILE); "
+             "nothing to reload")
+
+
 class KVTierServer:
     """The gRPC server plus what its shutdown needs (health, drain flag, worker threads)."""
 
@@ -103,8 +108,10 @@ class KVTierServer:
         await self.server.start()
         if self.lane is not None:
             await self.lane.start()
-        if self.tenants is not None:  # SIGHUP: read the tenants file again
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
+        # SIGHUP: read the tenants file again; without one there is nothing to reload, but the
+        # signal's default action (an unclean exit: keyed CPU pages lost) must not be taken
+        reload = self.tenants.reload if self.tenants is not None else _nothing_to_reload
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
         if self.sessions is not None:
             await self.sessions.start()
 

@@ -55,6 +55,21 @@ def test_sigterm_drains_and_exits_zero(spawn: Callable[..., Daemon]) -> None:
     del att
 
 
+def test_sighup_without_a_tenants_file_is_not_an_exit(spawn: Callable[..., Daemon]) -> None:
+    """The docs say SIGHUP reloads the tenants file. Without one, the daemon took the signal's
+    default action: an unclean exit (the socket left behind, keyed CPU-tier pages lost). Now it
+    logs that there is nothing to reload and serves on."""
+    d = spawn()
+    with d.client("hup") as c:
+        att = c.attach(2)
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert d.proc.poll() is None
+        assert c.stats().pools == 1
+        del att
+    assert "nothing to reload" in d.output()
+
+
 def test_kill_9_then_restart_finds_stored_keys(spawn: Callable[..., Daemon], tmp_path: Path
                                                ) -> None:
     d = spawn()
