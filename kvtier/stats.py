@@ -90,8 +90,9 @@ class EngineCounters:
     drops: dict[str, int] = field(
         default_factory=dict
     )  # reason -> count (disk_full, corrupt, no_admission)
-    hits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    misses: int = 0
+    hits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})  # lookup blocks
+    misses: int = 0  # blocks a lookup asked for and found nowhere
+    acquired: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})  # pages
     checksum_failures: int = 0
     cancelled_offloads: int = 0
     restore_latencies: list[float] = field(default_factory=list)  # drained by metrics

@@ -29,6 +29,7 @@ METRIC_NAMES = (
     "kvtier_rpc_latency_seconds", "kvtier_rpc_errors_total", "kvtier_queue_depth",
     "kvtier_inflight_bytes", "kvtier_evictions_total", "kvtier_drops_total",
     "kvtier_checksum_failures_total", "kvtier_hits_total", "kvtier_misses_total",
+    "kvtier_acquired_pages_total",
     "kvtier_attached_engines", "kvtier_pinned_pages", "kvtier_build_info",
     "kvtier_medium_used_bytes", "kvtier_medium_capacity_bytes", "kvtier_medium_pages",
     "kvtier_medium_evictions_total",
@@ -133,15 +134,21 @@ class EngineCollector(Collector):
     def _engine_totals(self, s: EngineStats) -> Iterator[Metric]:
         c = s.counters
         ev = CounterMetricFamily("kvtier_evictions_total", "Pages evicted.", labels=["tier"])
-        hits = CounterMetricFamily("kvtier_hits_total", "Lookup hits per tier.", labels=["tier"])
+        hits = CounterMetricFamily("kvtier_hits_total", "Blocks lookups found, per tier.",
+                                   labels=["tier"])
+        acquired = CounterMetricFamily(
+            "kvtier_acquired_pages_total", "Pages acquired, per tier they were found in.",
+            labels=["tier"])
         for t in Tier:
             ev.add_metric([_tier(t)], c.evictions.get(t, 0))
             hits.add_metric([_tier(t)], c.hits.get(t, 0))
+            acquired.add_metric([_tier(t)], c.acquired.get(t, 0))
         drops = CounterMetricFamily("kvtier_drops_total", "Pages dropped.", labels=["reason"])
         for reason in sorted(set(DROP_REASONS) | set(c.drops)):
             drops.add_metric([reason], c.drops.get(reason, 0))
-        yield from (ev, hits, drops)
-        yield CounterMetricFamily("kvtier_misses_total", "Lookup misses.", value=c.misses)
+        yield from (ev, hits, acquired, drops)
+        yield CounterMetricFamily("kvtier_misses_total", "Blocks lookups found nowhere.",
+                                  value=c.misses)
         yield CounterMetricFamily(
             "kvtier_checksum_failures_total", "Pages failing checksum.", value=c.checksum_failures)
 

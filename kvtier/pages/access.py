@@ -150,7 +150,7 @@ class Residency:
             core.pin(pool, unique)
             core.table.hit(unique)
             pool.policy.touch(unique)
-            core.counters.hits[Tier.GPU] += 1
+            core.counters.acquired[Tier.GPU] += len(unique)
             return cast("list[SlotIndex]", core.table.slot[rows].tolist())
         finally:
             core.cond.release()
@@ -233,9 +233,9 @@ class _Acquire:
         self._count_hits()
 
     def _count_hits(self) -> None:
-        """A hit per page in the tier its bytes were found in (one comparison pass when all
-        are in one tier, the common case)."""
-        hits, rows = self.core.counters.hits, self.rows
+        """A page acquired, counted in the tier its bytes were found in (one comparison pass
+        when all are in one tier, the common case)."""
+        hits, rows = self.core.counters.acquired, self.rows
         if not len(rows):
             return
         tiers, wire = self.core.table.tier[rows], self.core.wire

@@ -240,7 +240,7 @@ class PrefixStore:
                 core.counters.hits[tier] += 1
                 core.ledger.hits[tier, owner] += 1
             if core.remote is None or len(tiers) == len(keys):
-                self._count_miss(owner, len(tiers) < len(keys))
+                self._count_misses(owner, len(keys) - len(tiers))
                 return tiers
         rest = salt_keys(tenant, keys[len(tiers) :])
         tiers += [Tier.REMOTE] * core.remote.contains(rest)  # no engine lock held
@@ -248,14 +248,16 @@ class PrefixStore:
             remote = sum(x is Tier.REMOTE for x in tiers)
             core.counters.hits[Tier.REMOTE] += remote
             core.ledger.hits[Tier.REMOTE, owner] += remote
-            self._count_miss(owner, len(tiers) < len(keys))
+            self._count_misses(owner, len(keys) - len(tiers))
         return tiers
 
-    def _count_miss(self, owner: int, missed: bool) -> None:
-        """A lookup that stopped short of its keys is one miss (daemon-wide and the tenant's)."""
-        if missed:
-            self._core.counters.misses += 1
-            self._core.ledger.misses[owner] += 1
+    def _count_misses(self, owner: int, n: int) -> None:
+        """``n`` blocks a lookup asked for and found nowhere (daemon-wide and the tenant's): one
+        miss per block, as one hit per block found, so hits / (hits + misses) is the share of
+        blocks asked for that were found."""
+        if n:
+            self._core.counters.misses += n
+            self._core.ledger.misses[owner] += n
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
              caller: Caller | None = None) -> int:

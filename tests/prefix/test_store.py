@@ -164,3 +164,24 @@ def test_a_load_for_a_caller_gone_copies_nothing(make_engine):
         assert all(bool((seg[s] == 0xEE).all()) for s in slots[8:])
     assert engine.load(pool.pool_id, keys, slots[8:], Caller(time.monotonic() + 60)) == 8
     assert all(bool((seg[s] == i + 1).all()) for i, s in enumerate(slots[8:]))
+
+
+def test_hits_and_misses_count_blocks_and_acquires_are_not_lookups(make_engine):
+    """A lookup of 104 keys with 4 stored counted 4 hits and 1 miss (a miss per call, a hit per
+    block: a hit ratio of 80% for 4% found), and Acquires counted as hits too (1 per call when
+    resident). Now both count blocks, and acquired pages have a counter of their own."""
+    engine = make_engine()
+    pool = engine.attach("t", 8)
+    got = engine.allocate(pool.pool_id, 4)
+    keys = [f"ratio{i}".encode() for i in range(104)]
+    assert engine.store(pool.pool_id, keys[:4], [s for _, s in got]) == 4
+    before = engine.stats().counters
+    hits, misses = sum(before.hits.values()), before.misses
+    assert engine.lookup("t", keys) == [Tier.CPU] * 4
+    after = engine.stats().counters
+    assert (sum(after.hits.values()) - hits, after.misses - misses) == (4, 100)
+    found, acquired = sum(after.hits.values()), after.acquired[Tier.GPU]
+    assert engine.acquire(pool.pool_id, [p for p, _ in got]) is not None
+    again = engine.stats().counters  # (the live counters, not a copy)
+    assert sum(again.hits.values()) == found
+    assert again.acquired[Tier.GPU] - acquired == 4
