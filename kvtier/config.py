@@ -25,6 +25,9 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB}
+# Settings whose default is on and whose empty value turns them off (documented so); for every
+# other setting an empty variable is as if unset (its default, an empty one for paths and URLs).
+_EMPTY_TURNS_OFF = frozenset({"metrics_addr"})
 
 
 def _opt(default: Any, env: str, doc: str, accepted: str = "") -> Any:
@@ -43,7 +46,7 @@ class OffloadConfig:
         True, "ENABLED", "Offload cold pages below the GPU tier at all.", "true|false"
     )
     cpu_memory_gb: float = _opt(
-        4.0, "CPU_MEMORY_GB", "Pinned host memory budget (GiB), grown lazily.", ">= 0"
+        4.0, "CPU_MEMORY_GB", "Pinned host memory budget (GiB), grown lazily.", ">= PAGE_SIZE"
     )
     gpu_memory_gb: float = _opt(
         1.0, "GPU_MEMORY_GB", "Budget for daemon-allocated GPU page pools (GiB).", "> 0"
@@ -226,10 +229,24 @@ class OffloadConfig:
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             var = f.metadata["env"]
-            if var in env and env[var] != "":
+            if var in env and env[var] == "" and f.name in _EMPTY_TURNS_OFF:
+                kwargs[f.name] = ""
+            elif var in env and env[var] != "":
                 kwargs[f.name] = _parse(f.name, var, env[var], f.default)
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        rules.check_chain_disk(config, ENV_PREFIX)  # set by the operator: a contradiction
+        return config
+
+    def start_warnings(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """What ``kvtier serve`` warns about at start, one line each, nothing refused: unknown
+        ``KVCACHED_OFFLOAD_*`` variables (typos; kvcached shares the prefix), a disk budget
+        beyond its filesystem."""
+        env = os.environ if environ is None else environ
+        known = [f.metadata["env"] for f in fields(OffloadConfig)]
+        lines = rules.unknown_variables(env, known, ENV_PREFIX)
+        disk = rules.disk_size_warning(self, ENV_PREFIX)
+        return [*lines, disk] if disk else lines
 
     @property
     def cpu_budget_bytes(self) -> int:
@@ -394,6 +411,7 @@ def _validate(c: OffloadConfig) -> None:
         if not ok:
             _fail(name, getattr(c, name))
     rules.check_tenants(c, ENV_PREFIX)
+    rules.check_cpu_budget(c, ENV_PREFIX)
     if c.disk_gb > 0 and not c.disk_path:
         raise ConfigError(f"{ENV_PREFIX}DISK_GB={c.disk_gb} needs {ENV_PREFIX}DISK_PATH to be set")
     rules.check_remote(c, ENV_PREFIX)

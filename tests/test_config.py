@@ -36,7 +36,7 @@ def test_env_parsing_and_override():
         ("KVCACHED_OFFLOAD_PAGE_SIZE", "1000", "multiple of 4KiB"),
         ("KVCACHED_OFFLOAD_DEVICE", "tpu", "auto|cpu|cuda"),
         ("KVCACHED_OFFLOAD_DISK_ADMISSION", "sometimes", "always|reused|never"),
-        ("KVCACHED_OFFLOAD_CPU_MEMORY_GB", "lots", ">= 0"),
+        ("KVCACHED_OFFLOAD_CPU_MEMORY_GB", "lots", ">= PAGE_SIZE"),
         ("KVCACHED_OFFLOAD_LISTEN", "nowhere", "unix:///path.sock"),
     ],
 )

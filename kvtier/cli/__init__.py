@@ -67,7 +67,10 @@ def _name_flag(message: str, overrides: dict[str, Any]) -> str:
 def _serve(args: argparse.Namespace) -> int:
     from kvtier.server.main import run
 
-    return run(_config(args))
+    config = _config(args)
+    for line in config.start_warnings():  # before anything slow, where the operator looks
+        print(f"kvtier serve: warning: {line}", file=sys.stderr)
+    return run(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
