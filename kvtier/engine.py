@@ -31,7 +31,7 @@ from kvtier.prefix.remote import open_remote
 from kvtier.prefix.store import PrefixStore
 from kvtier.state.events import Event, EventSubscription
 from kvtier.state.pool import Pool
-from kvtier.stats import EngineStats, TierStats
+from kvtier.stats import EngineStats, LatencyHistogram, TierStats
 from kvtier.tenancy.views import admit_pool, tenant_stats
 from kvtier.tiers.device import DevicePool
 from kvtier.tiers.keyed import KeyedMedium
@@ -349,12 +349,10 @@ class TierEngine:
         return borrow(self.prefix, pool_id, keys, plan, patience)
 
     # -- operations -----------------------------------------------------------------------------
-    def drain_restore_latencies(self) -> list[float]:
-        """Restore latencies (seconds) recorded since the last drain; for the metrics exporter."""
+    def restore_latency(self) -> LatencyHistogram:
+        """Every restore's latency so far, as a histogram (a copy); for the metrics exporter."""
         with self._core.cond:
-            samples = self._core.counters.restore_latencies[:]
-            self._core.counters.restore_latencies.clear()
-            return samples
+            return self._core.counters.restore_latency.copy()
 
     def subscribe(self, maxsize: int = 1024) -> EventSubscription:
         return self._core.events.subscribe(maxsize)

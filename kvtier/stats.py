@@ -6,6 +6,7 @@ the engine, tests and ``kvtier status`` can read it without prometheus_client.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,27 @@ from kvtier.types import Direction, Tier
 
 if TYPE_CHECKING:
     from kvtier.prefix.remote import RemoteStats
+
+
+# Upper bounds (seconds) of the latency histograms' buckets (then +Inf).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """Every sample counted in fixed memory: a count per bucket of ``LATENCY_BUCKETS`` (a sample
+    goes to the first bound >= it; the last count is +Inf's), and the samples' sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total_s += seconds
+
+    def copy(self) -> LatencyHistogram:
+        return LatencyHistogram(self.counts[:], self.total_s)
 
 
 RATE_WEIGHT = 0.25  # of the newest batch in the moving averages behind ``bytes_per_s``
@@ -95,7 +117,7 @@ class EngineCounters:
     acquired: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})  # pages
     checksum_failures: int = 0
     cancelled_offloads: int = 0
-    restore_latencies: list[float] = field(default_factory=list)  # drained by metrics
+    restore_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     events_dropped: int = 0
 
     def drop(self, reason: str, n: int = 1) -> None:

@@ -8,20 +8,24 @@ change them only together.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvtier.metrics import http
 from kvtier.metrics.remote import REMOTE_METRIC_NAMES, remote_metrics
-from kvtier.stats import EngineStats
+from kvtier.stats import LATENCY_BUCKETS, EngineStats, LatencyHistogram
 from kvtier.types import Direction, Tier
 
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 METRIC_NAMES = (
     "kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes", "kvtier_tier_pages",
     "kvtier_moved_bytes_total", "kvtier_moved_pages_total", "kvtier_transfer_seconds_total",
@@ -50,30 +54,31 @@ DROP_REASONS = ("abandoned", "cpu_full", "corrupt", "disk_full", "no_admission",
                 "shutdown", "tenant_quota")
 
 
+def restore_histogram(h: LatencyHistogram) -> HistogramMetricFamily:
+    """The engine's restore latencies as Prometheus's cumulative buckets (every restore counted:
+    the engine keeps counts, not samples)."""
+    cumulative = list(itertools.accumulate(h.counts))
+    bounds = [repr(float(b)) for b in LATENCY_BUCKETS] + ["+Inf"]
+    return HistogramMetricFamily(
+        "kvtier_restore_latency_seconds", "Time from a restore request to the page on the GPU.",
+        buckets=list(zip(bounds, cumulative, strict=True)), sum_value=h.total_s)
+
+
 class EngineCollector(Collector):
-    """Reads one stats snapshot per scrape; drains restore latencies into a histogram."""
+    """Reads one stats snapshot and the engine's restore-latency histogram per scrape."""
 
     def __init__(self, engine: Any, version: str) -> None:
         self._engine = engine
         self._version = version
-        self._restore = Histogram(
-            "kvtier_restore_latency_seconds", "Time from a restore request to the page on the GPU.",
-            buckets=LATENCY_BUCKETS, registry=None,
-        )
-
-    def _drain_restores(self) -> None:
-        for s in self._engine.drain_restore_latencies():
-            self._restore.observe(s)
 
     def collect(self) -> Iterator[Metric]:
         s: EngineStats = self._engine.stats()
-        self._drain_restores()
         yield from self._tiers(s)
         yield from self._media(s)
         yield from self._moves(s)
         yield from self._engine_totals(s)
         yield from remote_metrics(s.remote)
-        yield from self._restore.collect()
+        yield restore_histogram(self._engine.restore_latency())
         build = GaugeMetricFamily("kvtier_build_info", "kvtier version (1).", labels=["version"])
         build.add_metric([self._version], 1)
         yield build

@@ -21,6 +21,7 @@ import selectors
 import socket
 import threading
 import time
+from typing import cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -54,13 +55,13 @@ class MetricsServer:
     def _loop(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._sel.select(_TICK_S):
-                conn = key.fileobj
+                conn = cast(socket.socket, key.fileobj)
                 try:
-                    self._serve(conn)  # type: ignore[arg-type]
+                    self._serve(conn)
                 except Exception:  # one connection's trouble never ends the endpoint
                     log.exception("metrics endpoint: a connection failed")
                     if conn in self._conns:
-                        self._close(conn)  # type: ignore[arg-type]
+                        self._close(conn)
             self._expire(time.monotonic())
 
     def _serve(self, conn: socket.socket) -> None:

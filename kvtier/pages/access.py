@@ -111,8 +111,7 @@ class Residency:
             gens = ids >> ROW_BITS if unique is rows else core.table.gen[unique]
             restored = _Acquire(core, pool, unique, gens).run(deadline)
             if restored:
-                core.counters.restore_latencies.append(time.monotonic() - start)
-                del core.counters.restore_latencies[:-4096]
+                core.counters.restore_latency.observe(time.monotonic() - start)
             slots = core.table.slot[rows]
             return slots if isinstance(page_ids, np.ndarray) else slots.tolist()
 
