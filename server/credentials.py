@@ -110,10 +110,11 @@ def _read(path: str) -> dict[str, bytes]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO can't block
     except OSError as exc:
         raise ConfigError(f"{VAR}: cannot open {path!r}: {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # (before fdopen, which refuses a directory with a traceback)
+        os.close(fd)
+        raise ConfigError(f"{VAR}: {path!r} is not a regular file")
     with os.fdopen(fd, encoding="utf-8") as fh:
-        mode = os.fstat(fh.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"{VAR}: {path!r} is not a regular file")
         if mode & 0o077:
             raise ConfigError(
                 f"{VAR}: {path!r} has mode {stat.S_IMODE(mode):04o}: group or others may "

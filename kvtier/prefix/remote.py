@@ -228,6 +228,8 @@ def read_private(path: str, var: str) -> bytes:
     name = ENV_PREFIX + var
     try:
         st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{name}: {path!r} is not a regular file")
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise ConfigError(
                 f"{name}: {path!r} is readable by group or others; make it private (chmod 600)"

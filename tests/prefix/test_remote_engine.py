@@ -191,6 +191,10 @@ def test_secret_file_must_be_private_and_present(tmp_path):
         TierEngine(small_config(None, remote_secret_file=loose), remote_medium=medium)
     with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_REMOTE_SECRET_FILE"):
         TierEngine(small_config(None), remote_medium=medium)
+    folder = tmp_path / "folder"  # was refused as "readable by group or others"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match=r"REMOTE_SECRET_FILE.*not a regular file"):
+        TierEngine(small_config(None, remote_secret_file=str(folder)), remote_medium=medium)
     short = secret_file(tmp_path, b"short", name="short")
     with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_REMOTE_SECRET_FILE.*16 bytes"):
         TierEngine(small_config(None, remote_secret_file=short), remote_medium=medium)

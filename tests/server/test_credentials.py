@@ -54,6 +54,10 @@ def test_missing_file_and_symlink_are_refused(tmp_path):
     link.symlink_to(write(tmp_path, GOOD))
     with pytest.raises(ConfigError, match="KVCACHED_OFFLOAD_TENANTS_FILE"):
         TenantCredentials.load(str(link))
+    folder = tmp_path / "folder"  # was an IsADirectoryError traceback at start, exit 1
+    folder.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match=r"KVCACHED_OFFLOAD_TENANTS_FILE.*not a regular file"):
+        TenantCredentials.load(str(folder))
 
 
 def test_the_rule(tmp_path):
