@@ -82,11 +82,21 @@ def rekey(hashes: Iterable[bytes | int], *, ns: bytes = b"") -> list[bytes]:
     return out
 
 
+def _plain(tokens: Sequence[int]) -> list[int]:
+    """A list of Python ints, sharing nothing with ``tokens`` (a slice of the caller's ids): a
+    tensor's or array's items would be views of its buffer, changed by an in-place edit."""
+    if isinstance(tokens, list):
+        return tokens
+    tolist = getattr(tokens, "tolist", None)
+    return list(tokens) if tolist is None else list(tolist())
+
+
 class KeyChains:
     """``keys(tokens) == chain_keys(tokens, block_size, ns=ns)``, reusing a remembered chain.
 
     Chains are remembered by their first block's key (the ``capacity`` most recent); a chain whose
     whole blocks are a prefix of ``tokens`` is reused and extended, anything else is hashed anew.
+    What is remembered is a copy of the ids as Python ints, never a view of the caller's tensor.
     """
 
     def __init__(self, block_size: int, *, ns: bytes = b"", capacity: int = 64) -> None:
@@ -101,7 +111,7 @@ class KeyChains:
         n = len(tokens) // bs
         if n == 0:
             return []
-        head = tokens[: n * bs] if isinstance(tokens, list) else list(tokens[: n * bs])
+        head = _plain(tokens[: n * bs])
         first = _step(self._root, _ids_bytes(head[:bs]))
         keys = [first]
         hit = self._chains.get(first)
