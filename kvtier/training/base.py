@@ -35,12 +35,13 @@ and never call ``pin_memory()`` themselves. Contracts:
       ``step_in_backward=False`` or inside ``no_sync()``), and the worker copies each bucket's
       updated weights back at once. ``mode="gpu_stream"``: the step runs on the device bucket by
       bucket (during backward by default), states streamed through two device staging buffers.
-    * A round of gradients is applied exactly once, and only at ``step()``: in cpu mode a step
-      taken in backward stays undoable until ``step()`` (``zero_grad()`` alone discards it
-      exactly; hyper-parameters changed before ``step()`` re-run it); in gpu_stream mode it is
-      final, so skipping it or changing hyper-parameters after it is refused
-      (``FailedPrecondition``). A ``step()`` that timed out is finished, not repeated, by the
-      next ``step()``.
+    * A round of gradients is applied exactly once. A bucket stepped in backward is final at
+      once (both modes, as ``torch.optim`` stepped in post-accumulate-grad hooks): skipping
+      that step (``zero_grad()`` before ``step()``) or changing hyper-parameters after it is
+      refused (``FailedPrecondition``, nothing changed), ``state_dict()`` reads the state with
+      it applied, and ``load_state_dict()`` does not make ``step()`` apply it again; skip
+      steps with ``step_in_backward=False``. A ``step()`` that timed out is finished, not
+      repeated, by the next ``step()``.
     * ``state_dict()``/``load_state_dict()`` round-trip master weights and states exactly; loading
       re-syncs the working weights from the master weights.
 

@@ -1,8 +1,8 @@
 """``OffloadedOptimizer``'s checkpoints: its state in ``torch.optim``'s ``state_dict`` form.
 
     * ``saved_state(opt)``: master weights, states (cloned) and hyper-parameters keyed by
-      parameter position; a bucket with a step taken in backward not yet final is read from
-      its pre-step copy (the state as of the last ``step()``).
+      parameter position: the current state, steps already taken in backward included (as a
+      ``torch.optim`` optimizer stepped in post-accumulate-grad hooks).
     * ``check_state_dict(opt, sd)``: raises :class:`~kvtier.errors.InvalidArgument` naming
       ``state_dict`` unless ``sd`` fits ``opt`` (same number of groups and of parameters per
       group, every saved tensor of its parameter's shape); nothing is changed.
@@ -31,16 +31,13 @@ def _param_ids(opt: Any) -> dict[int, int]:
 def saved_state(opt: Any) -> dict[str, Any]:
     pid, state = _param_ids(opt), {}
     for b in opt.buckets:
-        undo = b.undo
-        views = b.views(opt.states.acquire(b.index) if undo is None else undo.raw)
-        has_state = b.has_state if undo is None else undo.has_state
+        views = b.views(opt.states.acquire(b.index))
         for j, p in enumerate(b.params):
-            st = dict(b.scalars(j) if undo is None else undo.scalars[j])
-            names = (["master"] if b.has_master else []) + (b.keys if has_state[j] else [])
+            st = b.scalars(j)
+            names = (["master"] if b.has_master else []) + (b.keys if b.has_state[j] else [])
             st.update({k: views[k][j].clone() for k in names})
             state[pid[id(p)]] = st
-        if undo is None:
-            opt.states.release(b.index, dirty=False)
+        opt.states.release(b.index, dirty=False)
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [pid[id(p)] for p in g["params"]]} for g in opt.param_groups]
     return {"state": state, "param_groups": groups}

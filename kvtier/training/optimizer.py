@@ -20,13 +20,16 @@ Contract:
       Steps in backward assume that no backward work queued after a parameter's gradient is
       complete reads that parameter (true of autograd's own nodes, which read a weight in the
       node that produces its gradient; not of a use through ``.detach()``).
-      A step taken in backward keeps a copy of its bucket as it was before (host memory as
-      large as the bucket's master weights and states, until ``step()``), so it is only final
-      at ``step()``: ``zero_grad()`` without ``step()`` (a skipped step) puts parameters and
-      states back exactly, ``state_dict()`` before ``step()`` gives the state as of the last
-      ``step()``, ``load_state_dict()`` drops it (``step()`` then steps the loaded state), and
-      a bucket whose group's hyper-parameters (``lr``, ...) changed before ``step()`` is put
-      back and stepped again with the new ones. A ``step()`` that raised
+      A step taken in backward is final, as with ``torch.optim`` steps run in
+      post-accumulate-grad hooks (nothing is kept to undo it: no second copy of the states,
+      no copy on the hot path): ``zero_grad()`` after it without ``step()`` (a skipped step)
+      raises :class:`FailedPrecondition`, and so does ``step()`` when the group's
+      hyper-parameters (``lr``, ...) changed after the bucket stepped (it used those current
+      at its step), both changing nothing; skip steps (e.g. on a non-finite loss) or change
+      hyper-parameters between backward and ``step()`` only with ``step_in_backward=False``.
+      ``state_dict()`` before ``step()`` gives the current state, those steps included;
+      ``load_state_dict()`` replaces it and ``step()`` then steps only the buckets not
+      stepped yet (the round's gradients are applied once). A ``step()`` that raised
       :class:`DeadlineExceeded` stays in flight and owned: calling ``step()`` again finishes
       it (the gradients are applied once); ``zero_grad()`` waits for it and keeps it.
     * ``mode="gpu_stream"``: gradients stay on the device; states (and fp32 master weights when
@@ -34,11 +37,8 @@ Contract:
       through two device staging buffers (``streamed.py``): bucket ``i + 1`` is loaded while
       bucket ``i`` steps and bucket ``i - 1`` is written back. With ``step_in_backward`` (not
       for the disk tier) a bucket steps on the compute stream as soon as autograd has
-      accumulated its gradients, which are then freed; ``no_sync()`` as in cpu mode. Such a
-      step cannot be undone: ``zero_grad()`` after it without ``step()`` raises
-      :class:`FailedPrecondition` (changing nothing), and so does ``step()`` when the group's
-      hyper-parameters changed since; skip steps or change them between backward and
-      ``step()`` only with ``step_in_backward=False``.
+      accumulated its gradients, which are then freed; ``no_sync()``, skipped steps, changed
+      hyper-parameters and checkpoints between backward and ``step()`` as in cpu mode.
       Parameters of any strides (transposed, sliced) step exactly: each bucket steps on
       contiguous tensors (the host copies in cpu mode, a contiguous copy in gpu_stream mode).
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
@@ -65,14 +65,7 @@ from kvtier.training.buckets import FlatLayout, make_buckets
 from kvtier.training.checkpoint import check_state_dict, load_state, saved_state
 from kvtier.training.gradients import GradBucket, GradientOffloader
 from kvtier.training.states import StateStore
-from kvtier.training.stepping import (
-    OptBucket,
-    StepUndo,
-    hyper_of,
-    same_hyper,
-    state_keys,
-    with_fused,
-)
+from kvtier.training.stepping import OptBucket, hyper_of, same_hyper, state_keys, with_fused
 from kvtier.training.streamed import DeviceStepper
 from kvtier.training.streams import StreamPair
 
@@ -207,11 +200,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise FailedPrecondition(
                 f"optimizer bucket {b.index} got gradients again after its step started in "
                 "backward: accumulate inside no_sync() or pass step_in_backward=False")
-        self._submit(b, undo=True)
+        self._submit(b, in_backward=True)
 
-    def _submit(self, b: OptBucket, undo: bool = False) -> None:
-        b.pending = True
-        b.future = self.executor.submit(self._cpu_step, b, undo)
+    def _submit(self, b: OptBucket, in_backward: bool = False) -> None:
+        # the hyper-parameters are read here, not by the worker: a change made after
+        # backward is then always seen by step()'s check, never half used
+        b.pending, b.in_backward, b.used = True, in_backward, hyper_of(self._hyper(b))
+        b.future = self.executor.submit(self._cpu_step, b, b.used)
 
     def _watch_device_grads(self) -> None:
         """gpu_stream: step each bucket once autograd has accumulated all of its gradients."""
@@ -256,22 +251,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the gradients. Steps taken in backward since the last ``step()`` are
-        discarded (cpu mode: parameters and states put back exactly; gpu_stream mode cannot
-        undo them and refuses, changing nothing)."""
-        if self.stepper is not None and self.stepper.done:
-            raise FailedPrecondition(
-                "buckets already stepped in this backward (gpu_stream, step_in_backward) and "
-                "cannot be undone: call step() to finish the step, or pass "
-                "step_in_backward=False to be able to skip steps")
+        """Forget the gradients. Refused (nothing changed) after buckets stepped in backward
+        and before ``step()``: that step was already applied and is not undone."""
         self._check_open()
+        if (self.stepper is not None and self.stepper.done) \
+                or any(b.in_backward for b in self.buckets):
+            raise FailedPrecondition(
+                "zero_grad() before step(): the step was already applied during backward "
+                "(step_in_backward) and cannot be skipped; call step() to finish it, or pass "
+                "step_in_backward=False to skip steps (e.g. on a non-finite loss)")
         if any(b.pending for b in self.buckets):
-            self._finish()
+            self._finish()  # a step() that timed out is kept: it was asked for
             for b in self.buckets:
-                if b.undo is not None:
-                    self._discard(b)
-                b.pending = False  # a step() that timed out is kept: it was asked for
-            self.states.flush()
+                b.pending = False
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -287,6 +279,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_untracked()
+        self._check_hyper()
         if self.mode == "cpu":
             self._step_cpu()
         else:
@@ -309,31 +302,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                         "a parameter frozen when the optimizer was built has a gradient: "
                         "unfreezing is not supported, build a new OffloadedOptimizer")
 
+    def _check_hyper(self) -> None:
+        """Refuse (before any change) a step whose buckets stepped in backward with
+        hyper-parameters since changed: that step cannot be redone."""
+        done = self.stepper.done if self.stepper is not None else set()
+        for b in self.buckets:
+            if (b.in_backward or b.index in done) \
+                    and not same_hyper(b.used, hyper_of(self._hyper(b))):
+                raise FailedPrecondition(
+                    f"hyper-parameters of group {b.group} changed after optimizer bucket "
+                    f"{b.index} stepped in backward with the previous ones (the step was "
+                    "already applied): set them back and call step(), set them before "
+                    "backward, or pass step_in_backward=False")
+
     def _hyper(self, b: OptBucket) -> dict[str, Any]:
         return self.param_groups[b.group]
 
     @torch.no_grad()
-    def _cpu_step(self, b: OptBucket, undo: bool) -> None:
-        """Worker thread: step bucket ``b`` on its host copy, then start its weight copy back.
-        ``undo``: keep the bucket as it was before (a step in backward, discarded unless
-        ``step()`` follows with the same hyper-parameters)."""
+    def _cpu_step(self, b: OptBucket, hyper: dict[str, Any]) -> None:
+        """Worker thread: step bucket ``b`` on its host copy, then start its weight copy back."""
         assert self.grads is not None
         gb = self.grads.buckets[b.index]
+        StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
         blob = self.states.acquire(b.index)
         self.states.prefetch_next(b.index)
-        if undo:
-            b.undo = StepUndo(b, blob, self.arena)
         views = b.views(blob)
         grads = [g if ok else None for g, ok in zip(gb.grads, gb.present, strict=True)]
-        b.used = hyper_of(self._hyper(b))
-        b.run(views["master"], grads, views, self._hyper(b))
-        self._copy_back(b, views, gb.landed)
-        self.states.release(b.index, dirty=True)
-
-    def _copy_back(self, b: OptBucket, views: dict[str, list[torch.Tensor]],
-                   landed: Any) -> None:
-        """Start copying bucket ``b``'s master weights (cast) to its working parameters."""
-        StreamPair.synchronize(self._h2d[b.index])  # the last copy back read the host weights
+        b.run(views["master"], grads, views, hyper)
         cast = self._cast[b.index]
         srcs = views["master"]
         if cast is not None:
@@ -343,18 +338,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # the bucket's weights were last used by backward work enqueued before its gradient
         # copy: the copy back needs no later point of the compute stream
         self._h2d[b.index] = self.streams.copy_many(
-            "h2d", list(b.params), srcs, after=landed, after_compute=landed is None)
-
-    @torch.no_grad()
-    def _discard(self, b: OptBucket) -> None:
-        """Put bucket ``b`` back as it was before its step in backward (none in flight)."""
-        assert b.undo is not None
-        blob = self.states.acquire(b.index)
-        b.undo.restore(b, blob)
-        self._copy_back(b, b.views(blob), None)
+            "h2d", list(b.params), srcs, after=gb.landed, after_compute=gb.landed is None)
         self.states.release(b.index, dirty=True)
-        b.undo.free()
-        b.undo, b.pending = None, False
 
     @staticmethod
     def _cast_layout(b: OptBucket) -> FlatLayout:
@@ -376,32 +361,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         assert self.grads is not None
         self.grads.flush()
         for b in self.buckets:
+            b.in_backward = False  # the step is asked for: one that times out stays owned
             if not b.pending:
                 self._submit(b)
         for b in self.buckets:
             self._wait(b)
-        for b in self.buckets:  # stepped in backward before the hyper-parameters changed
-            if b.undo is not None and not same_hyper(b.used, hyper_of(self._hyper(b))):
-                self._discard(b)
-                self._submit(b)
-                self._wait(b)
         for b in self.buckets:
             StreamPair.wait_on_compute(self._h2d[b.index])
-            if b.undo is not None:
-                b.undo.free()
-            b.undo, b.pending = None, False
+            b.pending = False
         self.states.flush()
         self.grads.zero()
 
     def _step_gpu_stream(self) -> None:
         assert self.stepper is not None
-        for k in sorted(self.stepper.done):
-            b = self.buckets[k]
-            if not same_hyper(b.used, hyper_of(self._hyper(b))):
-                raise FailedPrecondition(
-                    f"hyper-parameters of group {b.group} changed after optimizer bucket {k} "
-                    "stepped in backward (gpu_stream cannot redo it): set them before "
-                    "backward, or pass step_in_backward=False")
         self.stepper.finish()
         for arrived in self._arrived:
             arrived.clear()  # parameters that got no gradient this step
@@ -415,22 +387,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.states.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        """Master weights, states and hyper-parameters, keyed by parameter position; between
-        backward and ``step()`` (cpu mode) as of the last ``step()``, as ``torch.optim``."""
+        """Master weights, states and hyper-parameters, keyed by parameter position; the
+        current state, with the steps already taken in backward."""
         self._check_open()
         self._finish()
         return saved_state(self)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` saved; working weights are re-synced from the master."""
+        """Restore what ``state_dict`` saved; working weights are re-synced from the master.
+        Buckets already stepped this round stay stepped: ``step()`` steps only the others."""
         self._check_open()
         self._finish()
         check_state_dict(self, state_dict)
-        for b in self.buckets:  # steps taken in backward are dropped: step() runs them again
-            if b.undo is not None:
-                self._discard(b)
-            b.pending = False
         load_state(self, state_dict)
 
     def _check_open(self) -> None:
@@ -443,10 +412,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return
         self._finish()
         self._closed = True
-        for b in self.buckets:
-            if b.undo is not None:
-                b.undo.free()
-                b.undo = None
         for h in self._hooks:
             h.remove()
         if self.grads is not None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from kvtier.training.base import BufferArena, get_buffer
 from kvtier.training.buckets import FlatLayout
 
 
@@ -81,7 +80,7 @@ class OptBucket:
         self.inner = optimizer_class(holders, **kwargs)
         self.future: Any = None  # an in-flight CPU step
         self.pending = False  # cpu mode: stepped (or in flight) since the last step() ended
-        self.undo: StepUndo | None = None  # the bucket before a step taken in backward
+        self.in_backward = False  # cpu mode: stepped in backward, step() not called since
         self.used: dict[str, Any] = {}  # the hyper-parameters of the bucket's latest step
 
     @property
@@ -146,28 +145,3 @@ class OptBucket:
         group = self.inner.param_groups[0]
         return bool(group.get("fused") or group.get("capturable"))
 
-
-class StepUndo:
-    """Bucket ``b`` as it was before a step: its blob (in an arena buffer), its scalar states
-    and which parameters had states. ``restore`` puts all three back; ``free`` returns the
-    buffer."""
-
-    def __init__(self, b: OptBucket, blob: torch.Tensor, arena: BufferArena) -> None:
-        self.arena = arena
-        self.raw = get_buffer(arena, blob.numel())
-        self.raw.copy_(blob)
-        self.freed = False
-        self.scalars = [b.scalars(j) for j in range(len(b.params))]
-        self.has_state = list(b.has_state)
-
-    def restore(self, b: OptBucket, blob: torch.Tensor) -> None:
-        assert not self.freed
-        blob.copy_(self.raw)
-        for j, values in enumerate(self.scalars):
-            b.load_scalars(j, values)
-        b.has_state = list(self.has_state)
-
-    def free(self) -> None:
-        if not self.freed:
-            self.arena.put_buffer(self.raw)
-            self.freed = True

@@ -58,7 +58,8 @@ def test_checkpoint_between_backward_and_step_applies_each_step_once(arena: Any,
     assert opt.step_in_backward and len(opt.buckets) > 1
     for s in range(3):
         backward(ours, s)
-        sd = opt.state_dict()
+        sd = opt.state_dict()  # the current state: every bucket stepped in backward
+        assert sd["state"][0]["step"].item() == s + 1
         if call == "load_state_dict":
             opt.load_state_dict(sd)
         opt.step()
@@ -120,42 +121,46 @@ def test_accumulation_with_a_parameter_unused_in_an_earlier_micro_batch(arena: A
     opt.close()
 
 
-def test_zero_grad_without_step_discards_the_step_taken_in_backward(arena: Any) -> None:
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
+def test_zero_grad_after_a_step_in_backward_is_refused(arena: Any, mode: str) -> None:
+    ref, ours = make_params(), make_params()
+    reference(ref, range(2))
+    opt = offloaded(ours, arena, mode=mode)
+    for s in range(2):
+        backward(ours, s)
+        if s == 1:
+            with pytest.raises(FailedPrecondition, match="already applied during backward"):
+                opt.zero_grad()  # a skipped step: the step in backward cannot be undone
+        opt.step()  # the refusal changed nothing: the step is finished, applied once
+        opt.zero_grad()
+    assert equal(ref, ours)
+    assert opt.state_dict()["state"][0]["step"].item() == 2
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
+def test_skipping_steps_without_step_in_backward_follows_torch(arena: Any, mode: str) -> None:
     ref, ours = make_params(), make_params()
     r = torch.optim.AdamW(ref, fused=True, **HP)
-    opt = offloaded(ours, arena, mode="cpu")
+    opt = offloaded(ours, arena, mode=mode, step_in_backward=False)
     for s in range(4):
         skip = s in (0, 2)  # the very first step too: states not created yet
-        backward(ref, s)
-        if not skip:
-            r.step()
-        r.zero_grad()
-        backward(ours, s)
-        opt._finish()  # the steps in backward are done: the skip must undo them
-        if not skip:
-            opt.step()
-        opt.zero_grad()
+        for ps, o in ((ref, r), (ours, opt)):
+            backward(ps, s)
+            if not skip:
+                o.step()
+            o.zero_grad()
         assert equal(ref, ours), s
     assert opt.state_dict()["state"][0]["step"].item() == 2
     opt.close()
 
 
-def test_gpu_stream_refuses_to_skip_a_step_taken_in_backward(arena: Any) -> None:
-    ours = make_params()
-    opt = offloaded(ours, arena, mode="gpu_stream")
-    backward(ours, 0)
-    with pytest.raises(FailedPrecondition, match="step_in_backward=False"):
-        opt.zero_grad()
-    opt.step()  # the refusal changed nothing: the step can still be finished
-    opt.zero_grad()
-    opt.close()
-
-
 @pytest.mark.parametrize("mode", ["cpu", "gpu_stream"])
-def test_lr_set_between_backward_and_step(arena: Any, mode: str) -> None:
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_lr_set_between_backward_and_step(arena: Any, mode: str, in_backward: bool) -> None:
     ref, ours = make_params(), make_params()
     r = torch.optim.AdamW(ref, fused=True, **HP)
-    opt = offloaded(ours, arena, mode=mode)
+    opt = offloaded(ours, arena, mode=mode, step_in_backward=in_backward)
     for s in range(3):
         lr = 1e-2 * (s + 1) * 10
         backward(ref, s)
@@ -164,14 +169,16 @@ def test_lr_set_between_backward_and_step(arena: Any, mode: str) -> None:
         r.step()
         r.zero_grad()
         backward(ours, s)
+        old = opt.param_groups[0]["lr"]
         for g in opt.param_groups:
             g["lr"] = lr
-        if mode == "gpu_stream":  # stepped with the old lr, cannot be redone
+        if in_backward and lr != old:  # stepped with the old lr: cannot be redone
             with pytest.raises(FailedPrecondition, match="hyper-parameters"):
                 opt.step()
+            assert opt.state_dict()["state"][0]["step"].item() == s + 1  # applied once
             opt.close()
             return
-        opt.step()  # cpu mode: the buckets stepped with the old lr are stepped again
+        opt.step()  # without steps in backward the new lr is the one used, as in torch
         opt.zero_grad()
         assert equal(ref, ours), s
     opt.close()
