@@ -1,7 +1,7 @@
 """Multi-turn prefix reuse for transformers generation, backed by kvtier.
 
-``ConversationStore(target, model_config=..., dtype=..., device=...)`` binds an in-process
-:class:`kvtier.TierEngine` (with ``tenant=``) or a daemon :class:`kvtier.client.KVTierClient`:
+``ConversationStore(target, model=model)`` binds an in-process :class:`kvtier.TierEngine` (with
+``tenant=``) or a daemon :class:`kvtier.client.KVTierClient` to one model:
 
 - ``restore(token_ids) -> KVTierCache``: a ``DynamicCache`` pre-filled with the KV of the longest
   stored prefix of ``token_ids`` (whole blocks, always leaving at least one token to compute, so
@@ -26,39 +26,56 @@ them), and they are freed by ``close``. Restore then takes the pool's pages firs
 with keyed pages for the rest of the prefix. ``cache.restored_tiers`` counts where each block
 was.
 
+The model: ``model=`` (an ``nn.Module``; its config, dtype and device are the defaults of
+``model_config``, ``dtype`` and ``device``, and its weights are fingerprinted) or an explicit
+``model_id`` naming the weights, with ``model_config``, ``dtype`` and ``device``; neither is
+refused. Keys are chained hashes of token ids in a namespace of the whole config, the weights'
+fingerprint or ``model_id``, and the layout (see ``identity``), so two models share pages only if
+they compute the same KV; kvtier salts them per tenant. Models with a layer that is not full
+attention (sliding windows, ...) are refused, and ``dtype`` must be the model's.
+
+``token_ids`` are a sequence of ints, a 1-D tensor or array, or a batch of one (``[1, n]``, as
+tokenizers return); see ``tokens``. A load or store that failed (a timeout included) gives up the
+staging pool it copied through (``staging``). ``close`` is idempotent and tolerates a restarted
+daemon; a store dropped without it is closed by its finalizer, with a ``ResourceWarning``.
+
 A page is one block of ``block_size`` tokens' KV across all layers, laid out
-``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and padded to 4 KiB. Keys are
-chained hashes of token ids in a namespace of the model layout (see ``_blocks``); kvtier salts
-them per tenant. ``layers=range(a, b)`` makes a store of one layer group: its pages hold only
-layers ``[a, b)`` (keys in a namespace of their own), ``restore_into`` and ``save`` take buffers
-of those layers (e.g. ``kv[a:b]``) and ``restore`` is refused (see ``overlap``, which restores
-group by group while the prefill runs). Batch size 1 (one conversation per cache);
-full-attention layers only.
+``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and padded to 4 KiB.
+``layers=range(a, b)`` makes a store of one layer group: its pages hold only layers ``[a, b)``
+(keys in a namespace of their own), ``restore_into`` and ``save`` take buffers of those layers
+(e.g. ``kv[a:b]``) and ``restore`` is refused (see ``overlap``, which restores group by group
+while the prefill runs). Batch size 1 (one conversation per cache).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from kvtier.client._backend import Backend, EngineBackend, Staging, as_backend, round_page
+from kvtier.client._backend import Backend, EngineBackend, as_backend, round_page
 from kvtier.client._blocks import KeyChains, namespace
-from kvtier.errors import CapacityError
+from kvtier.errors import InvalidArgument
 from kvtier.planner import LoadPlanner, Plan
 from kvtier.types import Tier
 
-from .layered import GroupCopier, LayeredRestore
+from .identity import check_dtype, check_full_attention, model_parts, of_model
+from .layered import GroupCopier, LayeredRestore, check_bounds
 from .layout import KVLayout
-from .pool import PoolPages, staged_rows, write_rows
+from .pool import PoolPages
+from .staging import StagingSlots
+from .staging import Take as _Take
+from .tokens import token_list
 
-_Take = Callable[[torch.Tensor, int], object]  # (rows [n, raw] uint8, index of the first block)
 _Cut = Callable[[list[Tier], int], int]  # (tiers of the stored blocks, first block) -> to load
 
 
@@ -80,32 +97,52 @@ class StoreCounters:
     restored_from: Counter[Tier] = field(default_factory=Counter)
 
 
+def _close(staging: StagingSlots, pool: PoolPages | None) -> None:
+    try:
+        if pool is not None:
+            pool.close()
+    finally:
+        staging.close()
+
+
+def _unclosed(staging: StagingSlots, pool: PoolPages | None) -> None:
+    """A store's finalizer: it was dropped without ``close`` (as an unclosed file, warn)."""
+    warnings.warn("ConversationStore dropped without close(): its pools are detached now",
+                  ResourceWarning, stacklevel=1)
+    with suppress(Exception):  # nothing to report to from a finalizer
+        _close(staging, pool)
+
+
 class ConversationStore:
     """Saves and restores a conversation's KV by token prefix. Not thread-safe (one per thread)."""
 
-    def __init__(self, target: Any, *, model_config: Any, dtype: torch.dtype,
-                 device: torch.device | str, tenant: str | None = None, block_size: int = 256,
-                 staging_slots: int = 32, model_id: str = "", keep_on_gpu: bool = False,
-                 gpu_slots: int = 64, layers: range | None = None, patient: bool = True) -> None:
+    def __init__(self, target: Any, *, model: torch.nn.Module | None = None,
+                 model_config: Any = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, model_id: str = "",
+                 tenant: str | None = None, block_size: int = 256, staging_slots: int = 32,
+                 keep_on_gpu: bool = False, gpu_slots: int = 64, layers: range | None = None,
+                 patient: bool = True) -> None:
+        model_config, dtype, device = of_model(model, model_config, dtype, device)
+        check_full_attention(model_config)
+        check_dtype(model, dtype)
         self.layout = KVLayout.of(model_config, block_size, dtype)
         self.layers = range(self.layout.layers) if layers is None else layers
         self._group = layers is not None
         extra: tuple[object, ...] = ()
         if layers is not None:  # a layer group's own pages, in a namespace of its own
             if not (layers.step == 1 and 0 <= layers.start < layers.stop <= self.layout.layers):
-                raise ValueError(f"layers: need a range within [0, {self.layout.layers}), "
-                                 f"got {layers}")
+                raise InvalidArgument("layers", f"need a range within [0, "
+                                                f"{self.layout.layers}), got {layers}")
             self.layout = replace(self.layout, layers=len(layers))
             extra = (("layers", layers.start, layers.stop),)
         self.backend: Backend = as_backend(target, tenant)
         self.device = torch.device(device)
         self.model_config = model_config
-        self.ns = namespace("hf", model_id, self.layout, *extra)
+        self.ns = namespace("hf", *model_parts(model_config, model, model_id), self.layout, *extra)
         self._chains = KeyChains(block_size, ns=self.ns)
         self.counters = StoreCounters()
         page = round_page(self.layout.raw_bytes)
-        self._staging: Staging = self.backend.attach(staging_slots, page)
-        self._staged: torch.cuda.Event | None = None  # recorded after the last read of staging
+        self._staging = StagingSlots(self.backend, staging_slots, page)
         self._pool: PoolPages | None = None
         self.last_plan: Plan | None = None  # the planner's choice in the last restore_into
         self.last_cut = False  # that restore lent fewer blocks than planned (see restore_layered)
@@ -113,27 +150,14 @@ class ConversationStore:
         self._copier: GroupCopier | None = None  # copies of borrowed pages (in-process engines)
         self._lending = isinstance(self.backend, EngineBackend)
         try:
-            self._slots = self._hold_staging(staging_slots)
             if keep_on_gpu:
                 self._pool = PoolPages(self.backend, gpu_slots, page)
         except BaseException:
-            self.backend.detach(self._staging.handle)
+            self._staging.close()
             raise
-
-    def _hold_staging(self, n: int) -> list[int]:
-        """Pin every staging slot once, for the store's life: loads and stores then copy through
-        them without an allocate / release / free per call (consecutive slots, in order)."""
-        got = self.backend.allocate(self._staging.handle, n)
-        if got is None:
-            raise CapacityError(f"staging_slots: could not pin {n} slots of a new staging pool")
-        return sorted(s for _, s in got)
-
-    def _staging_free(self) -> None:
-        """Wait until what was read out of the staging slots has been copied (a load or store
-        through the engine or the daemon may overwrite them next)."""
-        if self._staged is not None:
-            self._staged.synchronize()
-            self._staged = None
+        # Dropped without close: detach anyway (a daemon keeps a client's pools until it leaves).
+        self._finalizer = weakref.finalize(self, _unclosed, self._staging, self._pool)
+        self._finalizer.atexit = False
 
     @property
     def pool_id(self) -> int:
@@ -142,17 +166,20 @@ class ConversationStore:
             raise ValueError("pool pages need keep_on_gpu=True")
         return self._pool.pool_id
 
+    @property
+    def staging_replaced(self) -> int:
+        """Staging pools given up after a failed load or store (see ``staging``)."""
+        return self._staging.replaced
+
     def page_ids(self) -> list[int]:
         """This store's pool pages, oldest first (empty unless ``keep_on_gpu=True``)."""
         return [] if self._pool is None else self._pool.page_ids()
 
     def close(self) -> None:
-        """Detach the staging pool (keyed blocks stay in kvtier) and free the pool pages."""
-        try:
-            if self._pool is not None:
-                self._pool.close()
-        finally:
-            self.backend.detach(self._staging.handle)
+        """Detach the staging pool (keyed blocks stay in kvtier) and free the pool pages.
+        Idempotent; a daemon that no longer knows the pools (restarted) is not an error."""
+        self._finalizer.detach()
+        _close(self._staging, self._pool)
 
     def __enter__(self) -> ConversationStore:
         return self
@@ -163,11 +190,12 @@ class ConversationStore:
     # --- restore --------------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` :meth:`restore` would restore now."""
+        token_ids = token_list(token_ids)
         return self._held(self._restorable_keys(token_ids)) * self.layout.block_size
 
     def stored_tiers(self, token_ids: Sequence[int]) -> list[Tier]:
         """The tier of each keyed block of the longest stored prefix (pool pages not counted)."""
-        return self._lookup(self._restorable_keys(token_ids))
+        return self._lookup(self._restorable_keys(token_list(token_ids)))
 
     def _held(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` kvtier holds: pool pages first, then keyed pages."""
@@ -178,6 +206,7 @@ class ConversationStore:
         """A cache holding the KV of the longest stored prefix (possibly empty)."""
         if self._group:
             raise ValueError("restore: a store of a layer group restores into buffers only")
+        token_ids = token_list(token_ids)
         cache = KVTierCache(config=self.model_config)
         parts: list[torch.Tensor] = []
         tiers = self._restore_rows(self._restorable_keys(token_ids),
@@ -204,13 +233,14 @@ class ConversationStore:
         At most ``capacity`` tokens are restored. With ``planner``, the stored blocks past the
         pool pages are loaded only as far as the plan says (the rest is left to the prefill).
         """
+        self._check_kv(kv)
+        token_ids = token_list(token_ids)
         if self._lends():
             restore = self.restore_layered(kv, token_ids, [0, self.layout.layers],
                                            planner=planner)
             restore.wait_all()
             restore.release()
             return restore.tokens
-        self._check_kv(kv)
         bs = self.layout.block_size
         keys = self._restorable_keys(token_ids)[: kv.shape[3] // bs]
         self.last_plan, self.last_cut = None, False
@@ -234,9 +264,11 @@ class ConversationStore:
         then). Through a daemon (or with pool pages) the prefix is loaded whole, as
         :meth:`restore_into` does, and the returned restore has nothing left to wait for.
         """
+        check_bounds(bounds, self.layout.layers)
         if not self._lends():
             return LayeredRestore.done(self.restore_into(kv, token_ids, planner=planner))
         self._check_kv(kv)
+        token_ids = token_list(token_ids)
         keys = self._restorable_keys(token_ids)[: kv.shape[3] // self.layout.block_size]
         self.last_plan, self.last_cut = None, False
         cut = None  # planned on the tiers the engine lends from (no demotion in between)
@@ -257,17 +289,8 @@ class ConversationStore:
         """Whether restores borrow the engine's pages (an in-process engine, keyed pages only)."""
         return self._pool is None and not self._group and self._lending
 
-    def _check_kv(self, kv: torch.Tensor) -> None:
-        lay = self.layout
-        want = (lay.layers, 2, lay.kv_heads, lay.head_dim)
-        got = (*kv.shape[:3], kv.shape[-1]) if kv.dim() == 5 else tuple(kv.shape)
-        dev = self.device
-        same_device = kv.device.type == dev.type and dev.index in (None, kv.device.index)
-        if got != want or kv.dtype != lay.dtype or not same_device:
-            raise ValueError(
-                f"kv: need [layers={lay.layers}, 2, kv_heads={lay.kv_heads}, capacity, "
-                f"head_dim={lay.head_dim}] of {lay.dtype} on {self.device}, got "
-                f"{list(kv.shape)} of {kv.dtype} on {kv.device}")
+    def _check_kv(self, kv: torch.Tensor, name: str = "kv") -> None:
+        self.layout.check(kv, self.device, name)
 
     def _patience(self, landed: int) -> float:
         """How long a planned load may wait for its blocks below the CPU tier (the plan's
@@ -312,28 +335,12 @@ class ConversationStore:
             tiers = tiers[: cut(tiers, first)]
             keys = keys[: len(tiers)]
         got: list[Tier | None] = []
-        step = self._staging.num_slots
+        step, raw = self._staging.num_slots, self.layout.raw_bytes
         for i in range(0, len(tiers), step):
-            n = self._load(keys[i : i + step], take, first + i)
+            n = self._staging.load(keys[i : i + step], take, first + i, raw)
             got += tiers[i : i + n]
             if n < len(keys[i : i + step]):
                 break
-        return got
-
-    def _load(self, keys: list[bytes], take: _Take, first: int) -> int:
-        """Load the leading loadable blocks of ``keys``, hand their bytes to ``take``; how many.
-
-        ``take`` gets a view of the staging slots (a copy if they are not consecutive); what it
-        enqueues on the current stream is waited for before the slots are written again."""
-        st = self._staging
-        slots = self._slots[: len(keys)]
-        self._staging_free()
-        got = self.backend.load(st.handle, keys, slots)
-        if got:
-            take(staged_rows(st, slots[:got], self.layout.raw_bytes), first)
-            if st.rows.is_cuda:
-                self._staged = torch.cuda.Event()
-                self._staged.record()
         return got
 
     # --- save -----------------------------------------------------------------------------------
@@ -346,6 +353,7 @@ class ConversationStore:
         ``[0, len(token_ids))``. A full CPU tier stores what fits while it demotes older pages in
         the background; ``wait_s > 0`` keeps retrying the rest until that long has passed.
         """
+        token_ids = token_list(token_ids)
         deadline = time.monotonic() + wait_s
         total = self._save_once(cache, token_ids)
         while wait_s > 0 and time.monotonic() < deadline and self._missing(cache, token_ids):
@@ -356,8 +364,11 @@ class ConversationStore:
     def _held_tokens(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` have their KV in ``cache``."""
         if isinstance(cache, torch.Tensor):
-            self._check_kv(cache)
+            self._check_kv(cache, "cache")
             return min(len(token_ids), cache.shape[3])
+        if not hasattr(cache, "get_seq_length"):
+            raise InvalidArgument("cache", f"need a DynamicCache or a KV tensor, got "
+                                           f"{type(cache).__name__}")
         return min(len(token_ids), cache.get_seq_length())
 
     def _missing(self, cache: DynamicCache | torch.Tensor, token_ids: Sequence[int]) -> bool:
@@ -381,7 +392,7 @@ class ConversationStore:
             return saved
         stored, step = 0, self._staging.num_slots
         for i in range(0, rows.shape[0], step):
-            n = self._store(keys[start + i : start + i + step], rows[i : i + step])
+            n = self._staging.store(keys[start + i : start + i + step], rows[i : i + step])
             stored += n
             if n < min(step, rows.shape[0] - i):
                 break
@@ -397,14 +408,11 @@ class ConversationStore:
         layers = layers[self.layers.start : self.layers.stop]
         if layers[0].keys.shape[0] != 1:
             raise ValueError("ConversationStore handles batch size 1 only")
+        got = {lay.keys.dtype for lay in layers} | {lay.values.dtype for lay in layers}
+        if got != {self.layout.dtype}:
+            raise InvalidArgument("cache", f"KV of {sorted(map(str, got))}, the store's is "
+                                           f"{self.layout.dtype}: make the store of the model's")
         return torch.stack([
             torch.stack([lay.keys[0, :, begin:end], lay.values[0, :, begin:end]])
             for lay in layers
-        ]).to(self.layout.dtype)
-
-    def _store(self, keys: list[bytes], rows: torch.Tensor) -> int:
-        st = self._staging
-        slots = self._slots[: len(keys)]
-        self._staging_free()
-        write_rows(st, slots, rows)
-        return self.backend.store(st.handle, keys, slots)
+        ])

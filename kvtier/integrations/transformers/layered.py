@@ -27,15 +27,17 @@ from itertools import pairwise
 
 import torch
 
+from kvtier.errors import InvalidArgument
 from kvtier.transfer import dma
 
 from .layout import KVLayout
 
 
 def check_bounds(bounds: Sequence[int], layers: int) -> list[int]:
+    """``bounds`` as a list if they cut ``layers`` layers into groups, else InvalidArgument."""
     b = list(bounds)
     if len(b) < 2 or b[0] != 0 or b[-1] != layers or any(x >= y for x, y in pairwise(b)):
-        raise ValueError(f"bounds: need 0 = b0 < b1 < ... = {layers} layers, got {b}")
+        raise InvalidArgument("bounds", f"need 0 = b0 < b1 < ... = {layers} layers, got {b}")
     return b
 
 

@@ -2,7 +2,8 @@
 
 ``KVLayout.of(config, block_size, dtype)`` reads a transformers config; ``raw_bytes`` is one
 block's bytes (pages pad it to 4 KiB); ``pack`` / ``unpack`` / ``unpack_into`` convert between
-``[layers, 2, kv_heads, tokens, head_dim]`` buffers and one row per block.
+``[layers, 2, kv_heads, tokens, head_dim]`` buffers and one row per block; ``check(kv, device)``
+refuses a buffer of another shape, dtype or device (``InvalidArgument``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvtier.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +65,17 @@ class KVLayout:
         dst = kv[:, :, :, at : at + T].unflatten(3, (n, self.block_size))
         dst.copy_(src.permute(1, 2, 3, 0, 4, 5), non_blocking=True)
         return T
+
+    def check(self, kv: torch.Tensor, device: torch.device, name: str = "kv") -> None:
+        """Refuse ``kv`` unless it is a ``[layers, 2, kv_heads, capacity, head_dim]`` tensor of
+        ``dtype`` on ``device`` (``InvalidArgument(name)``)."""
+        want = f"[layers={self.layers}, 2, kv_heads={self.kv_heads}, capacity, " \
+               f"head_dim={self.head_dim}] of {self.dtype} on {device}"
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidArgument(name, f"need a {want} tensor, got {type(kv).__name__}")
+        got = (*kv.shape[:3], kv.shape[-1]) if kv.dim() == 5 else tuple(kv.shape)
+        same_device = kv.device.type == device.type and device.index in (None, kv.device.index)
+        if got != (self.layers, 2, self.kv_heads, self.head_dim) or kv.dtype != self.dtype \
+                or not same_device:
+            raise InvalidArgument(name, f"need {want}, got {list(kv.shape)} of {kv.dtype} on "
+                                        f"{kv.device}")

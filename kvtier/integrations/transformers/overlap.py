@@ -26,7 +26,6 @@ instead (its pages hold one block of those layers only; keys in a namespace per 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -35,6 +34,8 @@ from kvtier.planner import LoadPlanner, Plan
 from kvtier.types import Tier
 
 from .cache import ConversationStore, KVLayout
+from .identity import of_model
+from .layered import check_bounds
 from .staged import StagedPrefill
 
 
@@ -49,19 +50,18 @@ class _Short(Exception):
 class LayerGroupStore:
     """One ``ConversationStore`` per layer group (see the module docstring)."""
 
-    def __init__(self, target: Any, *, bounds: Sequence[int], model_config: Any,
-                 dtype: torch.dtype, device: torch.device | str, **kwargs: Any) -> None:
+    def __init__(self, target: Any, *, bounds: Sequence[int], model: torch.nn.Module | None = None,
+                 model_config: Any = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, **kwargs: Any) -> None:
+        model_config, dtype, device = of_model(model, model_config, dtype, device)
         layers = KVLayout.of(model_config, 1, dtype).layers
-        b = list(bounds)
-        if len(b) < 2 or b[0] != 0 or b[-1] != layers or any(x >= y for x, y in pairwise(b)):
-            raise ValueError(f"bounds: need 0 = b0 < b1 < ... = {layers} layers, got {b}")
-        self.bounds = b
+        self.bounds = b = check_bounds(bounds, layers)
         self.stores: list[ConversationStore] = []
         self.last_plan: Plan | None = None
         try:
             for g in range(len(b) - 1):
                 self.stores.append(ConversationStore(
-                    target, model_config=model_config, dtype=dtype, device=device,
+                    target, model=model, model_config=model_config, dtype=dtype, device=device,
                     layers=range(b[g], b[g + 1]), **kwargs))
         except BaseException:
             self.close()

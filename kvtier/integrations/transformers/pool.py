@@ -21,11 +21,12 @@ with the later blocks of that request: never wrong KV.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import suppress
 
 import torch
 
 from kvtier.client._backend import Backend, ClientBackend, EngineBackend, Staging
-from kvtier.errors import PageLost
+from kvtier.errors import FailedPrecondition, NotFound, PageLost, Unavailable
 from kvtier.types import Tier
 
 
@@ -64,6 +65,7 @@ class PoolPages:
         self.backend = backend
         self.pool: Staging = backend.attach(num_slots, page_size)
         self.pages: dict[bytes, int] = {}
+        self._closed = False
 
     @property
     def pool_id(self) -> int:
@@ -74,9 +76,14 @@ class PoolPages:
         return list(self.pages.values())
 
     def close(self) -> None:
-        """Detach the pool (its pages are freed)."""
+        """Detach the pool (its pages are freed). Idempotent; a daemon that no longer knows the
+        pool (restarted) or is gone is not an error."""
         self.pages.clear()
-        self.backend.detach(self.pool.handle)
+        if self._closed:
+            return
+        self._closed = True
+        with suppress(NotFound, FailedPrecondition, Unavailable):
+            self.backend.detach(self.pool.handle)
 
     def known(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a page."""

@@ -86,7 +86,7 @@ def test_pack_round_trip() -> None:
 
 
 def test_restore_from_cpu_equals_recompute(model, cpu_engine: TierEngine) -> None:
-    with ConversationStore(cpu_engine, tenant="t", model_config=model.config,
+    with ConversationStore(cpu_engine, tenant="t", model=model,
                            dtype=torch.float32, device="cpu", block_size=BLOCK) as store:
         restored = conversation(model, store, turns())
         assert restored[0] == 0
@@ -98,9 +98,9 @@ def test_restore_from_cpu_equals_recompute(model, cpu_engine: TierEngine) -> Non
 def test_restore_from_disk_equals_recompute(model, tmp_path: Path) -> None:
     # 1 MiB of CPU pages: the stored blocks (24 KiB each) are pushed down to disk by later turns.
     with engine(tmp_path, cpu_gb=1 / 1024, disk=True) as eng, ConversationStore(
-            eng, tenant="t", model_config=model.config, dtype=torch.float32, device="cpu",
+            eng, tenant="t", model=model, dtype=torch.float32, device="cpu",
             block_size=BLOCK) as store:
-        filler = ConversationStore(eng, tenant="t", model_config=model.config,
+        filler = ConversationStore(eng, tenant="t", model=model,
                                    dtype=torch.float32, device="cpu", block_size=BLOCK,
                                    model_id="filler")
         history: list[int] = []
@@ -139,7 +139,7 @@ def test_restore_through_daemon(model, daemon_factory) -> None:
 
     address = daemon_factory(cpu_gb=0.25)
     with connect(address, tenant="t") as client, ConversationStore(
-            client, model_config=model.config, dtype=torch.float32, device="cpu",
+            client, model=model, dtype=torch.float32, device="cpu",
             block_size=BLOCK) as store:
         restored = conversation(model, store, turns())
         assert restored == [0, 32, 64]
@@ -147,7 +147,7 @@ def test_restore_through_daemon(model, daemon_factory) -> None:
 
 
 def test_tenants_do_not_share(model, cpu_engine: TierEngine) -> None:
-    kw = dict(model_config=model.config, dtype=torch.float32, device="cpu", block_size=BLOCK)
+    kw = dict(model=model, dtype=torch.float32, device="cpu", block_size=BLOCK)
     with ConversationStore(cpu_engine, tenant="a", **kw) as a, \
             ConversationStore(cpu_engine, tenant="b", **kw) as b:
         ids = turns()[2]
@@ -160,7 +160,7 @@ def test_tenants_do_not_share(model, cpu_engine: TierEngine) -> None:
 # --- keep_on_gpu: blocks as pool pages, restored from whichever tier the engine put them on -----
 
 def pool_store(eng: TierEngine, model, **kw) -> ConversationStore:
-    return ConversationStore(eng, tenant="t", model_config=model.config, dtype=torch.float32,
+    return ConversationStore(eng, tenant="t", model=model, dtype=torch.float32,
                              device="cpu", block_size=BLOCK, keep_on_gpu=True, gpu_slots=16,
                              **kw)
 
@@ -236,7 +236,7 @@ def test_pool_pages_through_daemon(model, daemon_factory) -> None:
 
     address = daemon_factory(cpu_gb=0.25)
     with connect(address, tenant="t") as client, ConversationStore(
-            client, model_config=model.config, dtype=torch.float32, device="cpu",
+            client, model=model, dtype=torch.float32, device="cpu",
             block_size=BLOCK, keep_on_gpu=True, gpu_slots=16) as store:
         restored = conversation(model, store, turns())
         assert restored == [0, 32, 64]

@@ -40,7 +40,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def conversation(target, model, **kw) -> ConversationStore:
-    return ConversationStore(target, model_config=model.config, dtype=model.dtype,
+    return ConversationStore(target, model=model, dtype=model.dtype,
                              device=model.device, block_size=BLOCK, **kw)
 
 

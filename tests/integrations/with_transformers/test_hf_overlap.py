@@ -44,7 +44,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def group_store(eng: TierEngine, model, bounds: list[int]) -> LayerGroupStore:
-    return LayerGroupStore(eng, bounds=bounds, model_config=model.config, dtype=model.dtype,
+    return LayerGroupStore(eng, bounds=bounds, model=model, dtype=model.dtype,
                            device=model.device, tenant="t", block_size=BLOCK)
 
 
@@ -81,7 +81,7 @@ def test_overlapped_restore_equals_whole_restore(model, engine, kv_step) -> None
     src = StagedPrefill(model, 256, step=16, kv_step=kv_step, groups=2)
     src.extend(turn1, 0)
     with group_store(engine, model, src.bounds) as groups, ConversationStore(
-            engine, tenant="t", model_config=model.config, dtype=model.dtype, device="cpu",
+            engine, tenant="t", model=model, dtype=model.dtype, device="cpu",
             block_size=BLOCK) as whole:
         assert groups.save(src.kv, turn1) == 75 // BLOCK
         assert whole.save(src.kv, turn1) == 75 // BLOCK
@@ -107,7 +107,7 @@ def test_group_pages_are_their_own(model, engine) -> None:
     sp = StagedPrefill(model, 128, step=16, groups=2)
     sp.extend(ids, 0)
     with group_store(engine, model, sp.bounds) as groups, ConversationStore(
-            engine, tenant="t", model_config=model.config, dtype=model.dtype, device="cpu",
+            engine, tenant="t", model=model, dtype=model.dtype, device="cpu",
             block_size=BLOCK) as whole:
         whole.save(sp.kv, ids)
         assert groups.lookup(ids) == 0
@@ -161,7 +161,7 @@ def test_bad_layer_groups_are_refused(model, engine) -> None:
         with pytest.raises(ValueError, match="bounds"):
             group_store(engine, model, bad)
     with pytest.raises(ValueError, match="layers"):
-        ConversationStore(engine, tenant="t", model_config=model.config, dtype=model.dtype,
+        ConversationStore(engine, tenant="t", model=model, dtype=model.dtype,
                           device="cpu", layers=range(2, 9))
     with group_store(engine, model, [0, 1, 4]) as groups, pytest.raises(ValueError,
                                                                           match="prefill"):
@@ -177,7 +177,7 @@ def test_overlapped_restore_through_daemon(model, daemon_factory) -> None:
     ids, tail = tokens(80, 13), tokens(11, 14)
     src = StagedPrefill(model, 256, step=16, groups=2)
     src.extend(ids, 0)
-    kw = dict(bounds=src.bounds, model_config=model.config, dtype=model.dtype, device="cpu",
+    kw = dict(bounds=src.bounds, model=model, dtype=model.dtype, device="cpu",
               block_size=BLOCK)
     with connect(address, tenant="t") as a, LayerGroupStore(a, **kw) as saver:
         assert saver.save(src.kv, ids) == 5

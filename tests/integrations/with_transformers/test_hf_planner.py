@@ -35,7 +35,7 @@ def tokens(n: int, seed: int) -> list[int]:
 @pytest.fixture
 def stores(model) -> Iterator[tuple[ConversationStore, ConversationStore]]:
     """Two stores (two staging pools) of one tenant on one engine."""
-    kw = dict(model_config=model.config, dtype=torch.float32, device="cpu", block_size=BLOCK,
+    kw = dict(model=model, dtype=torch.float32, device="cpu", block_size=BLOCK,
               staging_slots=8, tenant="t")
     cfg = OffloadConfig(device="cpu", gpu_memory_gb=0.01, cpu_memory_gb=0.25, pinned_chunk_mb=1)
     with (
@@ -90,7 +90,7 @@ def test_a_planned_load_from_disk_stops_when_waiting_does_not_pay(model, tmp_pat
     cfg = OffloadConfig(device="cpu", gpu_memory_gb=0.01, pinned_chunk_mb=1,
                         cpu_memory_gb=4 * page / 2**30, disk_path=str(tmp_path / "disk"),
                         disk_gb=0.01, disk_admission="always")
-    kw = dict(model_config=model.config, dtype=torch.float32, device="cpu", block_size=BLOCK,
+    kw = dict(model=model, dtype=torch.float32, device="cpu", block_size=BLOCK,
               staging_slots=8, tenant="t")
     with (
         TierEngine(cfg) as eng,

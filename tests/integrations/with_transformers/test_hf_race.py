@@ -62,7 +62,7 @@ def setup(model, engine, kv_step=None,
     """A stored 100-token conversation; (store, its source prefill, a stale prefill)."""
     src = StagedPrefill(model, 256, step=16, kv_step=kv_step, groups=n_groups)
     src.extend(tokens(100, 1), 0)
-    groups = LayerGroupStore(engine, bounds=src.bounds, model_config=model.config,
+    groups = LayerGroupStore(engine, bounds=src.bounds, model=model,
                              dtype=model.dtype, device=model.device, tenant="t",
                              block_size=BLOCK)
     assert groups.save(src.kv, tokens(100, 1)) == 6
@@ -117,7 +117,7 @@ def push_to_disk(model, engine, groups: LayerGroupStore, ids: list[int]) -> None
     """Store unrelated blocks (pages of the same size: the CPU tier is one pinned chunk) until
     every group's blocks of ``ids`` have left the CPU tier for disk."""
     kv = torch.randn(SHAPE.layers, 2, SHAPE.kv_heads, BLOCK * 32, SHAPE.head_dim)
-    with LayerGroupStore(engine, bounds=groups.bounds, model_config=model.config,
+    with LayerGroupStore(engine, bounds=groups.bounds, model=model,
                          dtype=model.dtype, device="cpu", tenant="t", block_size=BLOCK,
                          model_id="filler") as filler:
         # Eight times the CPU tier's budget, without looking ``ids`` up in between (a lookup

@@ -29,7 +29,7 @@ def model():
 def store(model, tmp_path: Path) -> Iterator[ConversationStore]:
     cfg = OffloadConfig(device="cpu", cpu_memory_gb=0.25, gpu_memory_gb=0.25, pinned_chunk_mb=1)
     with TierEngine(cfg) as eng, ConversationStore(
-            eng, tenant="t", model_config=model.config, dtype=torch.float32, device="cpu",
+            eng, tenant="t", model=model, dtype=torch.float32, device="cpu",
             block_size=BLOCK) as st:
         yield st
 
