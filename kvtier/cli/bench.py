@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.bench_daemon import embedded_daemon, pool_size
+from kvtier.cli.bench_daemon import Interrupted, embedded_daemon, pool_size, stop_signals
 from kvtier.cli.bench_worker import EngineResult, Worker
 from kvtier.cli.status import (
     add_connection_flags,
@@ -169,10 +170,11 @@ def run_workload(address: str, token: str | None, args: argparse.Namespace,
         )
         for i, c in enumerate(clients)
     ]
+    stop = threading.Event()
+    sampler: threading.Thread | None = None
     try:
         before = stats_dict(monitor.stats(whole=whole))
         samples: list[tuple[float, dict[str, Any]]] = []
-        stop = threading.Event()
         t0 = time.monotonic()
         sampler = threading.Thread(
             target=sample_stats, args=(monitor, stop, samples, t0), daemon=True
@@ -191,6 +193,9 @@ def run_workload(address: str, token: str | None, args: argparse.Namespace,
         after = stats_dict(monitor.stats(whole=whole))
         return Run(workers, samples, before, after, wall)
     finally:
+        stop.set()  # the sampler ends before its client closes (also when interrupted)
+        if sampler is not None and sampler.is_alive():
+            sampler.join()
         for c in [monitor, *clients]:
             c.close()
 
@@ -361,11 +366,18 @@ def run_bench(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     tenant_token = read_token(args.tenant_token_file, "--tenant-token-file")
     try:
-        if args.address:
-            run = run_workload(args.address, token, args, tenant_token)
-        else:
-            with embedded_daemon(args) as address:
-                run = run_workload(address, token, args, tenant_token)
+        with stop_signals():
+            if args.address:
+                run = run_workload(args.address, token, args, tenant_token)
+            else:
+                with embedded_daemon(args) as address:
+                    run = run_workload(address, token, args, tenant_token)
+    except Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"\nkvtier bench: stopped by {name}"
+              + ("" if args.address else "; the embedded daemon is stopped and its files removed"),
+              file=sys.stderr)
+        return 128 + stop.signum
     except (Unauthenticated, PermissionDenied) as exc:
         print(f"kvtier bench: the daemon refused the credentials: {exc} (give --tenant and "
               "--tenant-token-file when it checks tenant credentials)", file=sys.stderr)

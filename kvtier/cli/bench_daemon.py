@@ -96,6 +96,34 @@ def wait_serving(
     raise TimeoutError(f"embedded daemon not serving after {timeout:.0f}s")
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: unwinds the run (its ``finally`` blocks stop the embedded
+    daemon and remove its temp dir) up to ``run_bench``, which exits 128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (SIGTERM would
+    otherwise kill the process with no cleanup, SIGINT end in a traceback); a second signal
+    during the cleanup is ignored so that the cleanup finishes."""
+
+    def handler(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
 @contextmanager
 def embedded_daemon(args: argparse.Namespace) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp_name:
@@ -103,9 +131,10 @@ def embedded_daemon(args: argparse.Namespace) -> Iterator[str]:
         (tmp / "disk").mkdir()
         argv = daemon_argv(tmp, args)
         log = tmp / "daemon.log"
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                argv, stdout=fh, stderr=subprocess.STDOUT, env=daemon_env(args.page_size)
+        with open(log, "wb") as fh:  # its own session: a terminal's ^C reaches the bench only,
+            proc = subprocess.Popen(  # which stops the daemon in order
+                argv, stdout=fh, stderr=subprocess.STDOUT, env=daemon_env(args.page_size),
+                start_new_session=True,
             )
         try:
             address = argv[argv.index("--listen") + 1]
