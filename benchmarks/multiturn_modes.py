@@ -81,7 +81,7 @@ class KVTierEager(Mode):
         self.name, self.model = name, model
         self.engine = TierEngine(config)
         self.store = ConversationStore(
-            self.engine, tenant="bench", model_config=model.config, dtype=dtype,
+            self.engine, tenant="bench", model=model, model_config=model.config, dtype=dtype,
             device=model.device, block_size=args.block_size,
             staging_slots=args.max_context // args.block_size + 1, patient=patient)
         self._cache: DynamicCache | None = None

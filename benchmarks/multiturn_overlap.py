@@ -36,8 +36,8 @@ class GroupedKVTier:
             self.prefill = StagedPrefill(model, args.max_context + 4 * bs, step=args.step,
                                          kv_step=args.kv_step, groups=args.layer_groups)
             self.store = LayerGroupStore(
-                self.engine, bounds=self.prefill.bounds, model_config=model.config, dtype=dtype,
-                device=model.device, tenant="bench", block_size=bs,
+                self.engine, bounds=self.prefill.bounds, model=model, model_config=model.config,
+                dtype=dtype, device=model.device, tenant="bench", block_size=bs,
                 staging_slots=args.max_context // bs + 1)
         except BaseException:
             self.engine.close()
