@@ -37,8 +37,9 @@ Contract:
       through two device staging buffers (``streamed.py``): bucket ``i + 1`` is loaded while
       bucket ``i`` steps and bucket ``i - 1`` is written back. With ``step_in_backward`` (not
       for the disk tier) a bucket steps on the compute stream as soon as autograd has
-      accumulated its gradients, which are then freed; ``no_sync()``, skipped steps, changed
-      hyper-parameters and checkpoints between backward and ``step()`` as in cpu mode.
+      accumulated its gradients (``arrivals.py``), which are then freed; ``no_sync()``,
+      skipped steps, changed hyper-parameters and checkpoints between backward and
+      ``step()`` as in cpu mode.
       Parameters of any strides (transposed, sliced) step exactly: each bucket steps on
       contiguous tensors (the host copies in cpu mode, a contiguous copy in gpu_stream mode).
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
@@ -59,18 +60,17 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from kvtier.errors import DeadlineExceeded, FailedPrecondition
+from kvtier.training.arrivals import GradArrivals
 from kvtier.training.base import MIB, BufferArena, default_arena, get_buffer
 from kvtier.training.buckets import FlatLayout, make_buckets
 from kvtier.training.checkpoint import check_state_dict, load_state, saved_state
 from kvtier.training.gradients import GradBucket, GradientOffloader
+from kvtier.training.options import check_options
 from kvtier.training.states import StateStore
 from kvtier.training.stepping import OptBucket, hyper_of, same_hyper, state_keys, with_fused
 from kvtier.training.streamed import DeviceStepper
 from kvtier.training.streams import StreamPair
-
-_MODES = ("cpu", "gpu_stream")
-_TIERS = ("cpu", "disk")
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -82,15 +82,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  disk_path: str | None = None, disk_store: Any = None, bucket_mb: float = 64,
                  step_in_backward: bool = True, timeout_s: float = 600.0,
                  **optim_kwargs: Any) -> None:
-        if mode not in _MODES:
-            raise InvalidArgument("mode", f"{mode!r}; accepted: {'|'.join(_MODES)}")
-        if state_tier not in _TIERS:
-            raise InvalidArgument("state_tier", f"{state_tier!r}; accepted: {'|'.join(_TIERS)}")
-        if state_tier == "disk" and disk_path is None and disk_store is None:
-            raise InvalidArgument("disk_path", "state_tier='disk' needs disk_path or disk_store")
-        if not isinstance(timeout_s, int | float) or not timeout_s > 0 \
-                or timeout_s == float("inf"):
-            raise InvalidArgument("timeout_s", f"{timeout_s!r}; accepted: a finite number > 0")
+        check_options(mode=mode, state_tier=state_tier, disk_path=disk_path,
+                      disk_store=disk_store, timeout_s=timeout_s)
         self._closed = False
         super().__init__(params, dict(optim_kwargs))
         self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
@@ -116,12 +109,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 on_ready=self._on_grads_ready, buckets=[b.params for b in self.buckets],
                 timeout_s=timeout_s)
         self.stepper: DeviceStepper | None = None
-        self._hooks: list[Any] = []
-        self._arrived: list[set[int]] = []
+        self._arrivals: GradArrivals | None = None
         if mode == "gpu_stream":
             self.stepper = DeviceStepper(self.buckets, self.states, self.streams, self._hyper)
             if self.step_in_backward:
-                self._watch_device_grads()
+                self._arrivals = GradArrivals(self.buckets, self.stepper, lambda: self._no_sync)
         self._h2d: list[Any] = [None] * len(self.buckets)  # cpu mode: weight copy per bucket
 
     # ---- construction ----------------------------------------------------------------------
@@ -189,8 +181,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _end_accumulation(self) -> None:
         if self.grads is not None:
             self.grads.flush()  # no step: still inside no_sync
-        for arrived in self._arrived:
-            arrived.clear()
+        if self._arrivals is not None:
+            self._arrivals.clear()
 
     def _on_grads_ready(self, gb: GradBucket) -> None:
         if not self.step_in_backward or self._no_sync:
@@ -207,33 +199,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # backward is then always seen by step()'s check, never half used
         b.pending, b.in_backward, b.used = True, in_backward, hyper_of(self._hyper(b))
         b.future = self.executor.submit(self._cpu_step, b, b.used)
-
-    def _watch_device_grads(self) -> None:
-        """gpu_stream: step each bucket once autograd has accumulated all of its gradients."""
-        where = {id(p): b.index for b in self.buckets for p in b.params}
-        arrived = self._arrived = [set() for _ in self.buckets]
-
-        def hook(p: torch.Tensor) -> None:
-            k = where[id(p)]
-            arrived[k].add(id(p))
-            complete = len(arrived[k]) == len(self.buckets[k].params)
-            if complete:
-                arrived[k].clear()
-            stepper = self.stepper
-            assert stepper is not None
-            if self._no_sync:
-                return
-            if len(arrived[k]) == 1:
-                stepper.stage(k)  # the bucket's first gradient: start loading its states
-            if complete:
-                if k in stepper.done:
-                    raise FailedPrecondition(
-                        f"optimizer bucket {k} got gradients again after its step in "
-                        "backward: accumulate inside no_sync() or pass step_in_backward=False")
-                stepper.step_bucket(k)
-
-        self._hooks = [p.register_post_accumulate_grad_hook(hook)
-                       for b in self.buckets for p in b.params]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -375,8 +340,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _step_gpu_stream(self) -> None:
         assert self.stepper is not None
         self.stepper.finish()
-        for arrived in self._arrived:
-            arrived.clear()  # parameters that got no gradient this step
+        if self._arrivals is not None:
+            self._arrivals.clear()  # parameters that got no gradient this step
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _finish(self) -> None:
@@ -412,8 +377,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return
         self._finish()
         self._closed = True
-        for h in self._hooks:
-            h.remove()
+        if self._arrivals is not None:
+            self._arrivals.remove()
         if self.grads is not None:
             self.grads.close()
         self.executor.shutdown(wait=True)
