@@ -236,6 +236,8 @@ class OffloadConfig:
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**kwargs)
         rules.check_chain_disk(config, ENV_PREFIX)  # set by the operator: a contradiction
+        # The daemon's pages are PAGE_SIZE; an engine built in-process may use smaller ones.
+        rules.check_cpu_budget(config, ENV_PREFIX)
         return config
 
     def start_warnings(self, environ: Mapping[str, str] | None = None) -> list[str]:
@@ -411,7 +413,6 @@ def _validate(c: OffloadConfig) -> None:
         if not ok:
             _fail(name, getattr(c, name))
     rules.check_tenants(c, ENV_PREFIX)
-    rules.check_cpu_budget(c, ENV_PREFIX)
     if c.disk_gb > 0 and not c.disk_path:
         raise ConfigError(f"{ENV_PREFIX}DISK_GB={c.disk_gb} needs {ENV_PREFIX}DISK_PATH to be set")
     rules.check_remote(c, ENV_PREFIX)

@@ -64,8 +64,9 @@ def test_a_disabled_tier_chain_without_disk_is_fine_and_engine_configs_keep_work
     OffloadConfig.from_env({f"{P}ENABLED": "false", f"{P}CPU_MEMORY_GB": "0"})
     # built in code (an engine's own config), not set by an operator: no contradiction
     OffloadConfig(tier_chain=("gpu", "cpu"), disk_path="/d", disk_gb=1.0)
+    OffloadConfig(cpu_memory_gb=4 * 8192 / 2**30)  # an engine of 8 KiB pages: 4 of them
     with pytest.raises(ConfigError, match="CPU_MEMORY_GB"):
-        OffloadConfig(cpu_memory_gb=0.0)
+        OffloadConfig.from_env({f"{P}CPU_MEMORY_GB": "0"})
 
 
 def test_unknown_variables_and_a_disk_beyond_its_filesystem_are_warned(tmp_path: Path) -> None:
