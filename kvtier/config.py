@@ -421,6 +421,7 @@ def _validate(c: OffloadConfig) -> None:
             _fail("listen", addr)
     if c.metrics_addr and not rules.host_port_ok(c.metrics_addr):
         _fail("metrics_addr", c.metrics_addr)
+    rules.check_listeners(c, ENV_PREFIX)
 
 
 def describe() -> list[tuple[str, str, str, str]]:

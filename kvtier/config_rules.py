@@ -31,6 +31,34 @@ def listen_ok(addr: str) -> bool:
     return host_port_ok(addr)
 
 
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Two ``host:port`` listeners that can't both be bound: one fixed port, and the same host
+    or either on every interface."""
+    host_a, _, port_a = a.rpartition(":")
+    host_b, _, port_b = b.rpartition(":")
+    return port_a == port_b != "0" and (host_a == host_b or host_a in _ANY_HOST
+                                        or host_b in _ANY_HOST)
+
+
+def check_listeners(c: Any, prefix: str) -> None:
+    """No listener given twice (a unix path twice was refused as in use by this very
+    daemon), and the metrics port not one of the TCP listeners' (that failed only after the
+    engine had started)."""
+    seen: set[str] = set()
+    for addr in c.listen:
+        if addr in seen:
+            raise ConfigError(f"{prefix}LISTEN: {addr} is listed twice")
+        seen.add(addr)
+    tcp = [a for a in c.listen if not a.startswith("unix://")]
+    for addr in tcp:
+        if c.metrics_addr and _overlap(addr, c.metrics_addr):
+            raise ConfigError(f"{prefix}METRICS_ADDR={c.metrics_addr} is the port of "
+                              f"{prefix}LISTEN's {addr}")
+
+
 def check_tenants(c: Any, prefix: str) -> None:
     from kvtier.tenancy.quotas import parse_quotas
 

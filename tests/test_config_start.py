@@ -48,6 +48,10 @@ def test_an_empty_metrics_addr_variable_turns_metrics_off() -> None:
     ({"PAGE_SIZE": "4MiB", "CPU_MEMORY_GB": "0.001"},
      f"{P}CPU_MEMORY_GB=0.001 is smaller than one page"),
     ({"PAGE_SIZE": "4MiB", "CPU_MEMORY_GB": "0"}, f"{P}CPU_MEMORY_GB=0.0 is smaller"),
+    ({"LISTEN": "unix:///tmp/x/k.sock,unix:///tmp/x/k.sock"},
+     f"{P}LISTEN: unix:///tmp/x/k.sock is listed twice"),
+    ({"LISTEN": "unix:///tmp/x/k.sock,127.0.0.1:47123", "METRICS_ADDR": "0.0.0.0:47123",
+      "TOKEN_FILE": "/t"}, f"{P}METRICS_ADDR=0.0.0.0:47123 is the port of"),
 ])
 def test_contradicting_settings_are_refused_in_one_line(tmp_path: Path, env: dict[str, str],
                                                         says: str) -> None:
