@@ -30,9 +30,11 @@ from kvtier.cli.status import (
     human_bytes,
     positive_seconds,
     read_token,
+    refused,
     stats_dict,
     table,
     tenant_name,
+    unreachable,
 )
 from kvtier.config import parse_size as config_parse_size
 from kvtier.errors import ConfigError
@@ -379,14 +381,12 @@ def run_bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 128 + stop.signum
     except (Unauthenticated, PermissionDenied) as exc:
-        print(f"kvtier bench: the daemon refused the credentials: {exc} (give --tenant and "
-              "--tenant-token-file when it checks tenant credentials)", file=sys.stderr)
+        hint = "give --tenant and --tenant-token-file when it checks tenant credentials"
+        print(f"kvtier bench: {refused(exc, hint)}", file=sys.stderr)
         return 1
-    except (Unavailable, DeadlineExceeded):
-        print(
-            f"kvtier bench: no kvtier daemon at {args.address}: is `kvtier serve` running?",
-            file=sys.stderr,
-        )
+    except (Unavailable, DeadlineExceeded) as exc:
+        print(f"kvtier bench: {unreachable(args.address or 'the embedded daemon', exc)}",
+              file=sys.stderr)
         return 1
     return report(run, args)
 

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from kvtier.config_rules import listen_ok
 from kvtier.errors import InvalidArgument
 from kvtier.validate import check_name
 
@@ -31,6 +32,14 @@ def positive_seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def daemon_address(text: str) -> str:
+    """``unix:///absolute/path`` or ``host:port``, as ``kvtier serve --listen`` takes them."""
+    if not listen_ok(text):
+        raise argparse.ArgumentTypeError(
+            f"expected unix:///absolute/path or host:port, got {text!r}")
+    return text
 
 
 def tenant_name(text: str) -> str:
@@ -62,7 +71,7 @@ def read_token(path: str | None, flag: str = "--token-file") -> str | None:
 
 
 def add_connection_flags(p: argparse.ArgumentParser, *, address_help: str = "") -> None:
-    p.add_argument("--address", metavar="ADDR", default=None,
+    p.add_argument("--address", metavar="ADDR", default=None, type=daemon_address,
                    help=address_help or "daemon address: unix:///path or host:port "
                    "(default: the daemon's default unix socket, as `kvtier serve` uses)")
     p.add_argument("--token-file", metavar="FILE", default=None,
@@ -83,6 +92,26 @@ def add_status_flags(p: argparse.ArgumentParser) -> None:
 
 def not_running(address: str) -> str:
     return f"no kvtier daemon at {address}: is `kvtier serve` running?"
+
+
+def unreachable(address: str, exc: Exception, timeout: float | None = None) -> str:
+    """Why a daemon did not serve a call: not there, shutting down, or there but silent."""
+    from kvtier.errors import DeadlineExceeded
+
+    if isinstance(exc, DeadlineExceeded):
+        within = "in time" if timeout is None else f"within {timeout:g} s"
+        return (f"the kvtier daemon at {address} did not answer {within} "
+                "(stopped, hung or overloaded?)")
+    if "draining" in str(exc):
+        return f"the kvtier daemon at {address} is shutting down; retry once it is back"
+    return not_running(address)
+
+
+def refused(exc: Exception, tenant_hint: str = "see --tenant-token-file") -> str:
+    """A refusal, pointing at the flag its credential comes from: the TCP bearer token's, or
+    (``tenant_hint``) the tenant's."""
+    hint = "see --token-file" if "bearer token" in str(exc) else tenant_hint
+    return f"the daemon refused the credentials: {exc} ({hint})"
 
 
 def fetch_stats(address: str, token: str | None, timeout: float, *, tenant: str | None = None,
@@ -218,12 +247,11 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         reply = fetch_stats(address, token, args.timeout, tenant=args.tenant,
                             tenant_token=tenant_token)
-    except (Unavailable, DeadlineExceeded):
-        print(f"kvtier status: {not_running(address)}", file=sys.stderr)
+    except (Unavailable, DeadlineExceeded) as exc:
+        print(f"kvtier status: {unreachable(address, exc, args.timeout)}", file=sys.stderr)
         return 1
     except Unauthenticated as exc:
-        print(f"kvtier status: the daemon refused: {exc} (see --tenant-token-file)",
-              file=sys.stderr)
+        print(f"kvtier status: {refused(exc)}", file=sys.stderr)
         return 1
     d = stats_dict(reply)
     if args.json:

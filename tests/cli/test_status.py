@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,3 +62,22 @@ def test_status_not_running_exits_1(tmp_path: Path, kvtier: Any) -> None:
     assert res.returncode == 1
     assert f"no kvtier daemon at {address}" in res.stderr
     assert "kvtier serve" in res.stderr
+
+
+def test_a_stopped_daemon_and_a_bad_address_are_told_apart(tmp_path: Path, kvtier: Any) -> None:
+    """A stopped (SIGSTOP: hung) daemon and a malformed --address were both reported as "no
+    kvtier daemon ... is `kvtier serve` running?"."""
+    from kvtier_daemon_fixture import start
+
+    d = start(tmp_path)
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        res = kvtier("status", "--address", d.address, "--timeout", "1")
+        assert res.returncode == 1
+        assert "did not answer within 1 s" in res.stderr and "no kvtier daemon" not in res.stderr
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        d.stop(signal.SIGKILL)
+    with pytest.raises(SystemExit) as done:
+        kvtier("status", "--address", "garbage")
+    assert done.value.code == 2

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from kvtier.client import KVTierClient, Unauthenticated
 from kvtier_daemon_fixture import Daemon, daemon_env, free_port, health_status, serve_args
 
+from kvtier.cli import main
 from kvtier.metrics import METRIC_NAMES
 from kvtier.types import Tier
 from kvtier.v1 import kvtier_pb2 as pb
@@ -131,7 +132,8 @@ def test_tcp_without_token_refuses_to_start(tmp_path: Path) -> None:
     assert "KVCACHED_OFFLOAD_TOKEN" in proc.stderr
 
 
-def test_tcp_requires_the_token(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+def test_tcp_requires_the_token(spawn: Callable[..., Daemon], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     port = free_port()
@@ -148,6 +150,8 @@ def test_tcp_requires_the_token(spawn: Callable[..., Daemon], tmp_path: Path) ->
     with pytest.raises(Unauthenticated):
         KVTierClient(addr, "t", token="wrong").stats()
     assert KVTierClient(addr, "t", token="s3cret").stats().version
+    assert main(["status", "--address", addr]) == 1  # its hint named --tenant-token-file
+    assert "(see --token-file)" in capsys.readouterr().err
 
 
 def test_default_socket_is_private(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
