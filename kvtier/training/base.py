@@ -52,6 +52,7 @@ On a machine without CUDA the "device" is the CPU and every copy is synchronous.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Protocol
 
@@ -90,6 +91,25 @@ def get_buffer(arena: BufferArena, nbytes: int) -> torch.Tensor:
     if buf is None:
         raise CapacityError(f"host arena budget exhausted asking for {nbytes} bytes")
     return buf
+
+
+def get_buffers(arena: BufferArena, sizes: list[int]) -> list[torch.Tensor]:
+    """``get_buffer`` for each size, all or none: on a shortfall those taken go back."""
+    out: list[torch.Tensor] = []
+    try:
+        for n in sizes:
+            out.append(get_buffer(arena, n))
+    except BaseException:
+        for buf in out:
+            arena.put_buffer(buf)
+        raise
+    return out
+
+
+def positive(value: object) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
 
 
 def align(n: int, to: int = ALIGN) -> int:

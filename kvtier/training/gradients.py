@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import DeadlineExceeded
-from kvtier.training.base import MIB, BufferArena, default_arena, get_buffer
+from kvtier.errors import DeadlineExceeded, InvalidArgument
+from kvtier.training.base import MIB, BufferArena, default_arena, get_buffer, positive
 from kvtier.training.buckets import FlatLayout, make_buckets
 from kvtier.training.streams import StreamPair
 
@@ -57,16 +57,30 @@ class GradientOffloader:
                  on_ready: Callable[[GradBucket], None] | None = None,
                  executor: ThreadPoolExecutor | None = None, timeout_s: float = 600.0,
                  buckets: list[list[torch.Tensor]] | None = None) -> None:
+        if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype)
+                                            and accum_dtype.is_floating_point):
+            raise InvalidArgument("accum_dtype", f"{accum_dtype!r}; accepted: a floating "
+                                                 "point torch.dtype or None")
+        for name, value in (("bucket_mb", bucket_mb), ("timeout_s", timeout_s)):
+            if not positive(value):
+                raise InvalidArgument(name, f"{value!r}; accepted: a finite number > 0")
         self.params = [p for p in params if p.requires_grad]
         self.arena = arena if arena is not None else default_arena()
         self.on_ready = on_ready
         self.timeout_s = timeout_s
         self.streams = StreamPair()
-        self._own_executor = executor is None
-        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="kvtier-grad")
         groups = buckets if buckets is not None else make_buckets(self.params,
                                                                   int(bucket_mb * MIB))
-        self.buckets = [GradBucket(i, b, self.arena, accum_dtype) for i, b in enumerate(groups)]
+        self.buckets: list[GradBucket] = []
+        try:  # all or none: a shortfall gives back the buckets already taken
+            for i, plist in enumerate(groups):
+                self.buckets.append(GradBucket(i, plist, self.arena, accum_dtype))
+        except BaseException:
+            for gb in self.buckets:
+                self.arena.put_buffer(gb.raw)
+            raise
+        self._own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="kvtier-grad")
         self._where: dict[int, tuple[GradBucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):

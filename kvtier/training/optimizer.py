@@ -43,7 +43,12 @@ Contract:
       Parameters of any strides (transposed, sliced) step exactly: each bucket steps on
       contiguous tensors (the host copies in cpu mode, a contiguous copy in gpu_stream mode).
     * ``state_tier="disk"``: the per-bucket blobs live in a ``DiskStore`` (``disk_path``) and are
-      read one bucket ahead of use.
+      read one bucket ahead of use; the directory is locked for this optimizer until
+      ``close()`` (``diskhome.py``: a second user is refused).
+    * Construction checks its arguments first (``options.py``: ``InvalidArgument`` naming the
+      argument; classes that create their state when constructed, as ``Adagrad``, are
+      refused) and gives back everything it took when it fails. Param groups carry the
+      wrapped class's defaults (``lr`` ...), as ``torch.optim``'s.
     * ``master_weights`` (cpu mode: the host copy is fp32 when True, the working dtype when
       False). Working weights are rewritten from the master after every step and on load.
     * ``state_dict()``/``load_state_dict()`` carry master weights, states and hyper-parameters,
@@ -52,6 +57,7 @@ Contract:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -65,8 +71,9 @@ from kvtier.training.arrivals import GradArrivals
 from kvtier.training.base import MIB, BufferArena, default_arena, get_buffer
 from kvtier.training.buckets import FlatLayout, make_buckets
 from kvtier.training.checkpoint import check_state_dict, load_state, saved_state
+from kvtier.training.diskhome import DiskHome, open_disk
 from kvtier.training.gradients import GradBucket, GradientOffloader
-from kvtier.training.options import check_options
+from kvtier.training.options import check_options, class_defaults
 from kvtier.training.states import StateStore
 from kvtier.training.stepping import OptBucket, hyper_of, same_hyper, state_keys, with_fused
 from kvtier.training.streamed import DeviceStepper
@@ -83,34 +90,45 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  step_in_backward: bool = True, timeout_s: float = 600.0,
                  **optim_kwargs: Any) -> None:
         check_options(mode=mode, state_tier=state_tier, disk_path=disk_path,
-                      disk_store=disk_store, timeout_s=timeout_s)
+                      disk_store=disk_store, timeout_s=timeout_s, bucket_mb=bucket_mb)
         self._closed = False
-        super().__init__(params, dict(optim_kwargs))
+        self._kwargs = with_fused(optimizer_class, optim_kwargs)
+        # every group carries the class's hyper-parameters, as torch.optim's (schedulers read lr)
+        super().__init__(params, class_defaults(optimizer_class, self._kwargs))
         self.mode, self.master_weights, self.timeout_s = mode, master_weights, timeout_s
         self.step_in_backward = step_in_backward and (mode == "cpu" or state_tier == "cpu")
         self.arena = arena if arena is not None else default_arena()
         self.streams = StreamPair()
         self._no_sync = False
-        self._kwargs = with_fused(optimizer_class, optim_kwargs)
         self.buckets = self._make_buckets(optimizer_class, int(bucket_mb * MIB))
-        self._disk = disk_store if disk_store is not None or state_tier == "cpu" else \
-            self._open_disk(disk_path or "")
-        self._own_disk = self._disk is not None and disk_store is None
-        self.states = StateStore([b.layout.nbytes for b in self.buckets], self.arena, self._disk)
-        self._cast = [self._cast_buffer(b) for b in self.buckets]
-        self._init_masters()
+        self._home: DiskHome | None = None
+        self._cast: list[torch.Tensor | None] = []
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-opt")
         self.grads: GradientOffloader | None = None
-        if mode == "cpu":
+        self._arrivals: GradArrivals | None = None
+        try:  # a failed construction gives back all it took (buffers, disk, lock, threads)
+            self._build(disk_path, disk_store)
+        except BaseException:
+            self._release()
+            raise
+
+    def _build(self, disk_path: str | None, disk_store: Any) -> None:
+        if disk_path is not None and disk_store is None:
+            need = sum(2 * b.layout.nbytes + (8 << 20) for b in self.buckets)
+            self._home = open_disk(disk_path, need)
+        self._disk = disk = self._home.store if self._home is not None else disk_store
+        self.states = StateStore([b.layout.nbytes for b in self.buckets], self.arena, disk)
+        for b in self.buckets:
+            self._cast.append(self._cast_buffer(b))
+        self._init_masters()
+        if self.mode == "cpu":
             self.grads = GradientOffloader(
                 [p for g in self.param_groups for p in g["params"] if p.requires_grad],
-                arena=self.arena,
-                accum_dtype=torch.float32 if master_weights else None, executor=self.executor,
-                on_ready=self._on_grads_ready, buckets=[b.params for b in self.buckets],
-                timeout_s=timeout_s)
+                arena=self.arena, accum_dtype=torch.float32 if self.master_weights else None,
+                executor=self.executor, on_ready=self._on_grads_ready,
+                buckets=[b.params for b in self.buckets], timeout_s=self.timeout_s)
         self.stepper: DeviceStepper | None = None
-        self._arrivals: GradArrivals | None = None
-        if mode == "gpu_stream":
+        if self.mode == "gpu_stream":
             self.stepper = DeviceStepper(self.buckets, self.states, self.streams, self._hyper)
             if self.step_in_backward:
                 self._arrivals = GradArrivals(self.buckets, self.stepper, lambda: self._no_sync)
@@ -119,9 +137,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ---- construction ----------------------------------------------------------------------
     def _make_buckets(self, cls: type[torch.optim.Optimizer], nbytes: int) -> list[OptBucket]:
         out: list[OptBucket] = []
+        # groups carry every default, some of them not constructor arguments (AdamW's
+        # decoupled_weight_decay): the inner optimizers get those the class takes
+        accepted = set(inspect.signature(cls).parameters) - {"params"}
         for gi, group in enumerate(self.param_groups):
             # the state a group keeps depends on its own options (amsgrad, momentum, ...)
-            kwargs = {**self._kwargs, **{k: v for k, v in group.items() if k != "params"}}
+            kwargs = {**self._kwargs, **{k: v for k, v in group.items() if k in accepted}}
             keys_by_dtype: dict[torch.dtype, list[tuple[str, torch.dtype]]] = {}
             for plist in make_buckets([p for p in group["params"] if p.requires_grad], nbytes):
                 mdt = self._master_dtype(plist[0])
@@ -140,12 +161,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self.master_weights and p.dtype != torch.float32:
             return torch.float32
         return None
-
-    def _open_disk(self, path: str) -> Any:
-        from kvtier.tiers.disk import DiskStore
-
-        need = sum(2 * b.layout.nbytes + (8 << 20) for b in self.buckets)
-        return DiskStore(path, need, direct_io=True, io_threads=2)
 
     def _cast_buffer(self, b: OptBucket) -> torch.Tensor | None:
         """cpu mode: a working-dtype host copy the H2D reads (when dtypes differ, or on disk)."""
@@ -231,7 +246,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 b.pending = False
         for b in self.buckets:
             for p in b.params:
-                p.grad = None
+                if p.grad is None or set_to_none:
+                    p.grad = None
+                    continue  # as torch.optim: zeroed in place, out of any graph
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
         if self.grads is not None:
             self.grads.zero()
 
@@ -372,10 +394,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise FailedPrecondition("the offloaded optimizer is closed")
 
     def close(self) -> None:
-        """Stop the worker, remove hooks and return host buffers to the arena (once)."""
+        """Stop the worker, remove hooks, return host buffers to the arena, close a disk
+        directory it opened and drop its lock (once)."""
         if self._closed:
             return
         self._finish()
+        self._release()
+
+    def _release(self) -> None:
+        """Give back whatever construction took (everything, once built)."""
         self._closed = True
         if self._arrivals is not None:
             self._arrivals.remove()
@@ -385,6 +412,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for cast in self._cast:
             if cast is not None:
                 self.arena.put_buffer(cast)
-        self.states.close()
-        if self._own_disk:
-            self._disk.close()  # its I/O threads and files; a disk_store given is the caller's
+        self._cast = []
+        if hasattr(self, "states"):
+            self.states.close()
+        if self._home is not None:
+            self._home.close()  # threads, files, lock (a disk_store given is the caller's)

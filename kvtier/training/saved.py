@@ -79,6 +79,10 @@ class ActivationOffloader:
                                   f"must be >= 1 or None, got {max_inflight_groups}")
         if reload_ahead < 1:
             raise InvalidArgument("reload_ahead", f"must be >= 1, got {reload_ahead}")
+        if drain_before_group is not None and not (
+                isinstance(drain_before_group, int) and 0 <= drain_before_group < group_count):
+            raise InvalidArgument("drain_before_group", f"must be a layer in [0, {group_count}) "
+                                  f"or None, got {drain_before_group!r}")
         self.pace_lag = pace_lag
         self.drain_before_group = drain_before_group
         self.reload_ahead = reload_ahead

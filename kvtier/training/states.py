@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvtier.errors import CapacityError, DeadlineExceeded, PageLost
-from kvtier.training.base import BufferArena, get_buffer
+from kvtier.training.base import BufferArena, get_buffers
 
 DISK_ALIGN = 4096
 
@@ -45,7 +45,7 @@ class StateStore:
         self._last = -1  # the last bucket acquired
         self._step = 1  # the direction buckets are being used in
         if disk is None:
-            self._host = [get_buffer(arena, n) for n in sizes]
+            self._host = get_buffers(arena, sizes)
             return
         biggest = max(sizes, default=1)
         self.page = min(page_bytes, (biggest + DISK_ALIGN - 1) // DISK_ALIGN * DISK_ALIGN)
@@ -59,7 +59,11 @@ class StateStore:
             self._slots.append([int(s) for s in slots[start : start + n]])
             start += n
         slot_bytes = max(self._npages) * self.page
-        self._bufs = [get_buffer(arena, slot_bytes), get_buffer(arena, slot_bytes)]
+        try:
+            self._bufs = get_buffers(arena, [slot_bytes, slot_bytes])
+        except CapacityError:
+            disk.free(self.page, [s for ss in self._slots for s in ss])
+            raise
         self._reads: dict[int, Future[list[bool]]] = {}
         self._writes: list[Future[list[bool]] | None] = [None, None]
 
