@@ -133,7 +133,7 @@ class TierEngine:
             self._core_open()
             try:
                 admit_pool(self._core, tenant, dev.num_slots * dev.page_size, external=True,
-                           slots=dev.num_slots, mappings=dev.mappings)
+                           slots=dev.num_slots, mappings=dev.mappings, mapped=dev.mapped_bytes)
             except CapacityError:
                 dev.close()
                 raise

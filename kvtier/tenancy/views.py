@@ -44,16 +44,18 @@ SLOT_BUDGET = 1 << 26
 
 
 def admit_pool(core: EngineCore, tenant: str, nbytes: int, *, external: bool,
-               slots: int, mappings: int = 1) -> None:
+               slots: int, mappings: int = 1, mapped: int = 0) -> None:
     """Raise ``CapacityError`` if a pool of ``nbytes`` exceeds a quota, the tenant's pool count
     (``max_pools_per_tenant``), its share of the daemon's memory mappings (``mappings``: the
-    pool's own) or of its slots (``slots``), or the budget."""
+    pool's own), of the address space they take (``mapped`` bytes) or of its slots
+    (``slots``), or the budget."""
     pools = [p for p in core.pools.values() if p.tenant == tenant]
     most = core.config.max_pools_per_tenant
     if len(pools) >= most:
         raise CapacityError(f"tenant {tenant!r} holds {len(pools)} pools, the most one tenant may "
                             f"(KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT={most}); detach one first")
     _admit_mappings(core, pools, mappings)
+    _admit_mapped(core, pools, mapped)
     _admit_slots(core, pools, slots)
     mine = sum(p.num_slots * p.page_size for p in pools)
     limit = core.ledger.quota(tenant).gpu
@@ -92,6 +94,23 @@ def _admit_mappings(core: EngineCore, mine: list[Pool], new: int) -> None:
                             f"share ({held} of {budget // 4} held); use fewer separate buffers")
     if sum(p.dev.mappings for p in core.pools.values()) + new > budget:
         raise CapacityError("segments: the daemon holds all the memory mappings it may")
+
+
+MAPPED_BUDGET = 1 << 45  # bytes of address space registered pools may map: 32 of x86-64's 128 TiB
+
+
+def _admit_mapped(core: EngineCore, mine: list[Pool], new: int) -> None:
+    """A tenant's registered pools map at most a quarter of ``MAPPED_BUDGET``, the daemon's at
+    most all: a sparse memfd of tens of TiB, declared with two slots far apart, costs nothing
+    in memory but took the daemon's address space until another tenant's Attach could not map
+    its pool."""
+    held = sum(p.dev.mapped_bytes for p in mine)
+    if held + new > MAPPED_BUDGET // 4:
+        raise CapacityError(f"segments: mapping {new} more bytes would exceed the tenant's share "
+                            f"of the daemon's address space ({held} of {MAPPED_BUDGET // 4} "
+                            "bytes mapped); register only the memory the slots use")
+    if sum(p.dev.mapped_bytes for p in core.pools.values()) + new > MAPPED_BUDGET:
+        raise CapacityError("segments: the daemon maps all the registered memory it may")
 
 
 def _admit_slots(core: EngineCore, mine: list[Pool], new: int) -> None:

@@ -64,7 +64,11 @@ class DevicePool:
         self.copying = 0
         # Separate memory mappings behind the segments (views of one mapping share it): what
         # the pool costs of the process's map count (``vm.max_map_count``).
-        self.mappings = len({s.untyped_storage().data_ptr() for s in segments})
+        storages = {s.untyped_storage().data_ptr(): s.untyped_storage() for s in segments}
+        self.mappings = len(storages)
+        # The address space those mappings take: what a registered pool of sparse memory costs
+        # the process however few slots it declares (``kvtier/tenancy/views.py``).
+        self.mapped_bytes = sum(st.nbytes() for st in storages.values())
         self._is_free = np.ones(self.num_slots, dtype=np.bool_)
         self._num_free = self.num_slots
         self._hint = 0  # no slot below this is free

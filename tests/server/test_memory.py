@@ -336,3 +336,35 @@ def _rss_mib(d: Daemon) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def test_registered_memory_is_a_bounded_share_of_the_daemons_address_space(
+        spawn: Callable[..., Daemon]) -> None:
+    """Two slots 2**45 bytes apart in a sparse memfd: a Register counted as 2 slots of 64 KiB
+    mapped 32 TiB of the daemon's 128 TiB of address space; four such (free tenant names) and
+    another tenant's Attach could not map its pool. Now a tenant's registered pools map at most
+    a quarter of 32 TiB, all at most 32 TiB: RESOURCE_EXHAUSTED naming segments."""
+    d = spawn()
+    fd = memfd.create((1 << 45) + PAGE, "sparse")
+    s = session(d)
+
+    def register(tenant: str, stride: int) -> pb.AttachReply:
+        seg = pb.Segment(num_slots=2, slot_bytes=PAGE, slot_stride=stride,
+                         memfd_ticket=s.deposit(fd, tenant))
+        with grpc.insecure_channel(d.address) as ch:
+            return pb_grpc.KVTierStub(ch).Register(
+                pb.RegisterRequest(tenant=tenant, segments=[seg]), timeout=60)
+
+    try:
+        for i in range(5):
+            with pytest.raises(grpc.RpcError) as err:
+                register(f"far-{i}", 1 << 45)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "segments" in (err.value.details() or "")
+        assert register("near", PAGE).num_slots == 2
+        with d.client("victim") as victim:
+            assert victim.attach(SLOTS).num_slots == SLOTS
+    finally:
+        s.close()
+        os.close(fd)
+    assert "Traceback" not in d.output()
