@@ -242,13 +242,12 @@ class OffloadConfig:
 
     def start_warnings(self, environ: Mapping[str, str] | None = None) -> list[str]:
         """What ``kvtier serve`` warns about at start, one line each, nothing refused: unknown
-        ``KVCACHED_OFFLOAD_*`` variables (typos; kvcached shares the prefix), a disk budget
-        beyond its filesystem."""
+        ``KVCACHED_OFFLOAD_*`` variables (typos; kvcached shares the prefix). (A disk budget
+        beyond its filesystem is warned about once the disk directory passed its checks:
+        ``server/preflight.py``.)"""
         env = os.environ if environ is None else environ
         known = [f.metadata["env"] for f in fields(OffloadConfig)]
-        lines = rules.unknown_variables(env, known, ENV_PREFIX)
-        disk = rules.disk_size_warning(self, ENV_PREFIX)
-        return [*lines, disk] if disk else lines
+        return rules.unknown_variables(env, known, ENV_PREFIX)
 
     @property
     def cpu_budget_bytes(self) -> int:

@@ -6,7 +6,9 @@
      /proc or /sys, not read-only: a probe file is written and removed) whose entries under the
      disk tier's file names it can use (regular files, no links, each openable as the tier
      needs: ``kvtier.tiers.disk_layout.unusable_file``) and nothing of anyone else's where none
-     is the tier's (``foreign_entry``), and the tenants file (when set) is private
+     is the tier's (``foreign_entry``); a budget beyond its filesystem is then warned about (a
+     line on stderr, not a refusal: the tier's file grows as pages come); the tenants file
+     (when set) is private
      and well formed — before the engine spends time starting;
   3. every unix socket's directory exists or can be created, and the path fits a socket address;
   4. the instance locks (``pidlock``): one per unix socket, one in the disk directory;
@@ -23,10 +25,12 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import sys
 import tempfile
 from typing import NoReturn
 
-from kvtier.config import OffloadConfig
+from kvtier.config import ENV_PREFIX, OffloadConfig
+from kvtier.config_rules import disk_size_warning
 from kvtier.errors import ConfigError
 from kvtier.flags import setting
 from kvtier.tiers.disk_layout import LOCK_NAME, foreign_entry, unusable_file
@@ -107,6 +111,9 @@ def check_disk(config: OffloadConfig) -> None:
     problem = unusable_file(real)
     if problem is not None:  # the operator's to fix: never deleted, never followed
         fail("disk_path", problem)
+    beyond = disk_size_warning(config, ENV_PREFIX)
+    if beyond is not None:  # a usable directory, but a budget its filesystem can't hold
+        print(f"kvtier serve: warning: {beyond}", file=sys.stderr)
 
 
 def check_tenants(config: OffloadConfig) -> None:
