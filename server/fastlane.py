@@ -16,7 +16,9 @@ connection. The socket is 0660 like the gRPC one; capabilities are never logged.
 new connection takes the place of one that never sent a valid capability (the oldest), else
 of the least recently used one of the tenant holding the most: idle connections, or one
 tenant's many, can't keep another tenant's engine off the lane (a closed connection's engine
-falls back to gRPC and reconnects).
+falls back to gRPC and reconnects). A connection is dropped at once, unsent replies and all,
+when it makes room, or when its client leaves replies unread for ``DRAIN_S``. The lane takes
+no descriptors (``server/handed.py``).
 An OK answer is counted in the RPC metrics as the method it stands for (``Acquire``/``Release``,
 code OK); "use gRPC" is not (the gRPC call that follows is), nor is "denied" (the client falls
 back to gRPC, which reports the error).
@@ -29,6 +31,7 @@ import hmac
 import logging
 import os
 import secrets
+import socket
 import struct
 import time
 from collections import Counter
@@ -40,6 +43,8 @@ import numpy as np
 
 from kvtier.types import PoolId
 
+from .handed import refuse_rights
+
 log = logging.getLogger(__name__)
 REQUEST = struct.Struct("<BHQ16s")
 REPLY = struct.Struct("<BH")
@@ -47,6 +52,7 @@ ACQUIRE, RELEASE = 1, 2
 OK, USE_GRPC, DENIED = 0, 1, 2
 MAX_PAGES = 4096
 MAX_CONNS = 1024
+DRAIN_S = 5.0  # a client that leaves its replies unread this long is hung up on
 _METHODS = {ACQUIRE: "Acquire", RELEASE: "Release"}
 
 
@@ -82,8 +88,13 @@ class FastLane:
     async def start(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)  # stale socket of a crashed daemon
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        # The lane takes no descriptors: one passed along with a frame was released by the
+        # kernel in the loop's own read, where its last close could block (``handed.py``).
+        refuse_rights(listener)
         os.chmod(self.path, 0o660)
+        self._server = await asyncio.start_unix_server(self._serve, sock=listener)
 
     async def stop(self) -> None:
         for writer in list(self._conns):  # engines fall back to gRPC (and see the drain)
@@ -107,6 +118,8 @@ class FastLane:
                 # Ids as int64 without a Python int each (one >= 2**63 reads negative: the
                 # engine's check refuses it, and the engine is told to use gRPC).
                 ids = np.frombuffer(await reader.readexactly(8 * n), dtype="<i8")
+                if writer.is_closing():  # dropped to make room: frames it had sent go unread
+                    return
                 start = time.perf_counter()
                 reply = self.answer(op, pool_id, capability, ids)
                 grant = self._grants.get(pool_id) if reply[0] != DENIED else None
@@ -115,7 +128,9 @@ class FastLane:
                 if reply[0] == OK and self._observe is not None:
                     self._observe(_METHODS[op], "OK", time.perf_counter() - start)
                 writer.write(reply)
-                await writer.drain()
+                await asyncio.wait_for(writer.drain(), DRAIN_S)
+        except TimeoutError:  # it does not read its replies: nothing of it is kept
+            writer.transport.abort()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             return  # the engine hung up, or the daemon is stopping
         except Exception:
@@ -133,7 +148,9 @@ class FastLane:
             idle = [c for c in conns if c.tenant == heavy]
         victim = min(idle, key=lambda c: c.last)
         del self._conns[victim.writer]
-        victim.writer.close()
+        # At once, unsent replies and all: a close waits to send them, and a client that does
+        # not read kept its descriptor and buffers while no longer counted against the cap.
+        victim.writer.transport.abort()
 
     def answer(self, op: int, pool_id: int, capability: bytes, ids: np.ndarray) -> bytes:
         grant = self._grants.get(pool_id)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.tiers.diskio import Throttle
 
+from .handed import close_handed, drain_handed, fds_of, receive_space
 from .leases import Leases
 from .tickets import TICKET_BYTES, Tickets
 
@@ -54,7 +55,7 @@ REDEEM, DEPOSIT, RENEW = 1, 2, 3
 OK, DENIED, REFUSED = 0, 1, 2
 MAX_TENANT = 128
 MAX_CONNS = 1024
-_FDS_PER_READ = 4  # descriptors one read accepts; the kernel closes any beyond this
+_FDS_PER_READ = 4  # descriptors a connection may have pending: more closes it
 _SWEEP_S = 1.0
 _PAUSE_S = 0.25  # the listeners rest this long after accept ran out of descriptors
 _WARN_S = 10.0  # and say so at most this often
@@ -223,13 +224,13 @@ class FdExchange:
 
     def _readable(self, conn: _Conn) -> None:
         try:
-            data, anc, _, _ = conn.sock.recvmsg(
-                4096, socket.CMSG_SPACE(_FDS_PER_READ * 4), socket.MSG_CMSG_CLOEXEC)
+            data, anc, _, _ = conn.sock.recvmsg(  # room for every descriptor a message
+                4096, receive_space(), socket.MSG_CMSG_CLOEXEC)  # holds: none closed in here
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data, anc = b"", []
-        conn.fds.extend(_fds_of(anc))
+        conn.fds.extend(fds_of(anc))
         if not data or len(conn.fds) > _FDS_PER_READ:
             self._close(conn)
             return
@@ -263,11 +264,11 @@ class FdExchange:
         """(status, ticket, descriptor to send or -1); closes every descriptor it does not keep."""
         if op == DEPOSIT:
             if len(fds) != 1:
-                _close_all(fds)
+                close_handed(fds)
                 return REFUSED, bytes(TICKET_BYTES), -1
             got = self.tickets.deposit(tenant, fds[0], session)
             return (OK, got, -1) if got is not None else (REFUSED, bytes(TICKET_BYTES), -1)
-        _close_all(fds)
+        close_handed(fds)
         none = bytes(TICKET_BYTES)
         if op == RENEW:
             pool = self.tickets.renewable(ticket, tenant)
@@ -326,8 +327,9 @@ class FdExchange:
         self._conns.pop(conn, None)
         if self._loop is not None:
             self._loop.remove_reader(conn.sock)
+        drain_handed(conn.sock)  # descriptors still queued: released here, not in close()
         conn.sock.close()
-        _close_all(conn.fds)
+        close_handed(conn.fds)
         conn.fds = []
         self.tickets.drop_conn(conn.session)
         with self._shares:
@@ -378,19 +380,6 @@ def _peer_uid(sock: socket.socket) -> int:
     except (OSError, AttributeError):
         return -1
     return int(_UCRED.unpack(creds)[1])
-
-
-def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
-    return fds
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def session_paths(addrs: list[str]) -> list[str]:

@@ -40,6 +40,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from .handed import close_handed
+
 TICKET_BYTES = 32
 MAX_DEPOSITS = 64  # unredeemed deposits per connection (each holds a daemon descriptor)
 
@@ -121,10 +123,10 @@ class Tickets:
                     tenant, fd, time.monotonic() + self.ttl, conn=conn)
                 fd = -1
         if evicted >= 0:
-            os.close(evicted)
+            close_handed([evicted])
         if fd < 0:
             return ticket
-        os.close(fd)
+        close_handed([fd])
         return None
 
     def _make_room(self, would_hold: int) -> int:
@@ -156,8 +158,7 @@ class Tickets:
         with self._lock:
             gone = [k for k, e in self._deposits.items() if e.conn == conn]
             fds = [self._deposits.pop(k).fd for k in gone]
-        for fd in fds:
-            os.close(fd)
+        close_handed(fds)
 
     def expire(self, now: float | None = None) -> list[int]:
         now = time.monotonic() if now is None else now
@@ -169,9 +170,7 @@ class Tickets:
                 if self._issued.get(e.pool_id) == k:
                     del self._issued[e.pool_id]
             deps = [self._deposits.pop(k) for k in old_deps]
-        for e in pools + deps:
-            if e.fd >= 0:
-                os.close(e.fd)
+        close_handed(e.fd for e in pools + deps if e.fd >= 0)
         return [e.pool_id for e in pools if e.fd >= 0]
 
     def close(self) -> None:
@@ -180,6 +179,4 @@ class Tickets:
             self._pools.clear()
             self._deposits.clear()
             self._issued.clear()
-        for e in entries:
-            if e.fd >= 0:
-                os.close(e.fd)
+        close_handed(e.fd for e in entries if e.fd >= 0)
