@@ -166,12 +166,14 @@ class PrefixStore:
         """New keyed pages for ``items`` (salted key, slot) with their copies added to
         ``pending``; False when the CPU tier could not take them all (the store ends there)."""
         by_key = self._core.table.by_key
+        stale = False  # since a wait: every item left, not only the next part, is checked
         while items:
             got, waited = self._cpu_slots(pool, len(items), pending, started)
             if not len(got):
                 return False
             part, items = items[: len(got)], items[len(got) :]
-            if waited:  # the wait let other calls in: a key another store added meanwhile
+            stale = stale or waited
+            if stale:  # a wait let other calls in: a key another store added meanwhile
                 # (at any page size) is theirs; adding it again gave one key several pages
                 fresh = [item for item in part if item[0] not in by_key]
                 if len(fresh) < len(part):

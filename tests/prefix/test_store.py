@@ -104,12 +104,14 @@ def test_stores_of_one_key_at_once_keep_one_page_of_it(make_engine):
     found new before the wait, though another store had added them meanwhile (at its page size
     or another): one key held several pages, each with slots and a disk record (the others out
     of reach; the same key twice in the disk index after a restart). Keys stored meanwhile are
-    now left to the store that added them."""
+    now left to the store that added them, also those of a later part of the same chunk (a
+    CPU tier too small for a chunk: the wait came before its first part, the duplicate in the
+    next; 0-6 keys in 5 of 6 runs of this test before)."""
     import random
     import threading
     from collections import Counter
 
-    engine = make_engine(cpu_memory_gb=40 * PAGE / 2**30, gpu_memory_gb=16 / 1024,
+    engine = make_engine(cpu_memory_gb=24 * PAGE / 2**30, gpu_memory_gb=32 / 1024,
                          disk_gb=60 * PAGE / 2**30, disk_admission="always")
     sizes, keys = (PAGE, 2 * PAGE, 3 * PAGE), [b"k%d" % i for i in range(16)]
     errors: list[BaseException] = []
@@ -118,9 +120,9 @@ def test_stores_of_one_key_at_once_keep_one_page_of_it(make_engine):
         rng = random.Random(seed)
         pools = {size: engine.attach("t", 16, size) for size in sizes}
         try:
-            for _ in range(300):
+            for _ in range(400):
                 pool = pools[rng.choice(sizes)]
-                n = rng.randrange(1, 9)
+                n = rng.randrange(1, 12)
                 got = engine.allocate(pool.pool_id, n)
                 if got is None:
                     continue
@@ -130,7 +132,7 @@ def test_stores_of_one_key_at_once_keep_one_page_of_it(make_engine):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=churn, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(5)]
     for th in threads:
         th.start()
     for th in threads:
