@@ -14,6 +14,8 @@ Contract:
       its admission rule); ``lookup`` and ``load`` look there, outside the engine lock, past the end
       of the local prefix: a lookup answers ``Tier.REMOTE`` for those blocks, a load lands them
       in the CPU tier first (like a disk hit). A store fault is a local-only answer.
+    * ``store`` and ``load`` with a ``caller`` (``kvtier/caller.py``) copy nothing more once it
+      is gone (it may have reused its slots): the keys not stored, the blocks not loaded.
 """
 
 from __future__ import annotations
@@ -83,8 +85,6 @@ class PrefixStore:
 
     def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
               caller: Caller | None = None) -> int:
-        """See the module docstring; with a ``caller``, nothing more is copied once it is gone
-        (``kvtier/caller.py``: it may have reused its slots); those keys are not stored."""
         core = self._core
         with core.cond:
             pool = self.pool(pool_id)
@@ -263,8 +263,6 @@ class PrefixStore:
 
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
              caller: Caller | None = None) -> int:
-        """See the module docstring; with a ``caller``, nothing more is copied once it is gone
-        (``kvtier/caller.py``)."""
         keys, slots = unrepeated(keys, slots)
         loaded = self._load_once(pool_id, keys, slots, caller)
         # A remote fetch brings a bounded window past the local prefix: while a pass loads

@@ -61,6 +61,13 @@ def serve_args(tmp: Path, *, disk: Path, pool_pages: int = 16, cpu_pages: int = 
     ]
 
 
+def with_fd_limit(argv: list[str], limit: int) -> list[str]:
+    """``argv`` (a ``serve_args`` command) run under a descriptor limit of ``limit``."""
+    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    return [sys.executable, "-c", wrap, *argv[1:]]
+
+
 def daemon_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KVCACHED_OFFLOAD_") and k != "NOTIFY_SOCKET"}

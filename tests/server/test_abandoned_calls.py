@@ -84,3 +84,32 @@ def test_a_layer_group_load_its_caller_gave_up_on_writes_nothing_after_the_deadl
         assert late <= N // 4, f"{late} of {N * segs} pieces written after the caller gave up"
         assert bool((kv[segs // 2 :] == 0xB2).all())
     assert "Traceback" not in d.output()
+
+
+def test_a_store_its_caller_gave_up_on_is_never_a_hit(
+        spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    """A Store paused past the caller's timeout, then resumed, went on copying the caller's
+    slots after the caller had reused them: the keys held the new bytes (a later hit: wrong
+    KV). Now a Store launches no copy once its caller is gone, and what it stored for a caller
+    that gave up is dropped (counted ``abandoned``): those keys are misses."""
+    d = spawn(args=serve_args(tmp_path, disk=tmp_path / "disk", pool_pages=N, cpu_pages=2 * N))
+    with d.client("a") as c, grpc.insecure_channel(d.address) as ch:
+        att = c.attach(N)
+        got = c.allocate(att, N)
+        assert got is not None and att.tensor is not None
+        slots = [s for _, s in got]
+        keys = [b"gave-up-%d" % i for i in range(N)]
+        att.tensor.fill_(0xA1)
+        ref = pb.PoolRef(tenant="a", pool_id=att.pool_id, instance=att.instance)
+        call = pb_grpc.KVTierStub(ch).Store.future(
+            pb.StoreRequest(pool=ref, keys=keys, slots=slots), timeout=1.0)
+        _paused_past_timeout(d, call, lambda: att.tensor.fill_(0xB2))  # type: ignore[union-attr]
+        found = len(c.lookup(keys))
+        if found:
+            back = c.attach(8)
+            page = c.allocate(back, 1)
+            assert page is not None and back.tensor is not None
+            for i in range(0, found, max(1, found // 16)):
+                assert c.load(back, [keys[i]], [page[0][1]]) == 1
+                assert bool((back.tensor[page[0][1]] == 0xA1).all()), f"key {i}: other bytes"
+    assert "Traceback" not in d.output()

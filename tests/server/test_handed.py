@@ -7,7 +7,6 @@ import array
 import contextlib
 import socket
 import struct
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.server import fastlane, fdpass
-from kvtier_daemon_fixture import Daemon, free_port, serve_args
+from kvtier_daemon_fixture import Daemon, free_port, serve_args, with_fd_limit
 
 LINGER_S = 10
 
@@ -124,10 +123,8 @@ def test_fast_lane_clients_that_never_read_stay_within_the_cap(
     under a limit of 2,048, another tenant's Attach failed (EMFILE). Now an evicted connection
     is aborted at once, and one that leaves its replies unread is dropped after DRAIN_S."""
     limit = 512  # lane connections: 64
-    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
-            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())
-    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]])
+    d = spawn(args=with_fd_limit(serve_args(tmp_path, disk=tmp_path / "disk",
+                                            metrics_port=free_port()), limit))
     fds = Path(f"/proc/{d.proc.pid}/fd")
     path = d.address[len("unix://"):] + ".fast"
     with d.client("hog") as c:

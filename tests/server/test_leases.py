@@ -20,7 +20,7 @@ import grpc
 import pytest
 from kvtier.client.fdpass import DEPOSIT, REQUEST, Session
 from kvtier.client.ipc import SharedMemory
-from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args
+from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args, with_fd_limit
 
 from kvtier.errors import FailedPrecondition
 from kvtier.types import Tier
@@ -174,10 +174,8 @@ def test_session_floods_stay_within_a_share_of_the_descriptor_limit(
     new client out. Now sessions take at most an eighth of the limit and deposits a quarter,
     and at the cap the oldest connection holding no pool makes way."""
     limit = 512  # sessions: 64, deposits: 128
-    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
-            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0)
-    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]], env=daemon_env())
+    argv = with_fd_limit(serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0), limit)
+    d = spawn(args=argv, env=daemon_env())
     with d.client("owner") as owner:
         att = owner.attach(4)
         (page, slot), = owner.allocate(att, 1)

@@ -4,9 +4,7 @@ and a bad Health body is an INVALID_ARGUMENT, not a logged traceback. Real daemo
 
 from __future__ import annotations
 
-import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvtier_daemon_fixture import Daemon, free_port, health_status, serve_args
+from kvtier_daemon_fixture import (
+    Daemon,
+    free_port,
+    health_status,
+    serve_args,
+    with_fd_limit,
+)
 
 from kvtier.errors import KVTierError
 from kvtier.types import Tier
@@ -219,10 +223,8 @@ def test_a_connection_flood_stays_within_a_share_of_the_descriptor_limit(
     gRPC listeners take at most a quarter of the limit; open channels keep working; the
     daemon is itself again as soon as the flood ends."""
     limit = 512  # gRPC connections: 128
-    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
-            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=free_port())
-    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]])
+    d = spawn(args=with_fd_limit(serve_args(tmp_path, disk=tmp_path / "disk",
+                                            metrics_port=free_port()), limit))
     fds = Path(f"/proc/{d.proc.pid}/fd")
     with d.client("owner") as owner:
         owner.stats()  # its channel is open
@@ -252,42 +254,3 @@ def test_a_connection_flood_stays_within_a_share_of_the_descriptor_limit(
             except (grpc.RpcError, KVTierError):
                 assert time.monotonic() < deadline, "no new client served after the flood"
     assert "File descriptor limit reached" not in d.output() and d.proc.poll() is None
-
-
-def test_a_store_its_caller_gave_up_on_is_never_a_hit(
-        spawn: Callable[..., Daemon], tmp_path: Path) -> None:
-    """A daemon paused (SIGSTOP: a debugger, a VM pause, a swap storm) in the middle of a Store,
-    past the caller's timeout, then resumed, went on copying the caller's slots after the caller
-    had reused them: the keys held the new bytes (a later hit: wrong KV). Now what a Store stored
-    for a caller that gave up is dropped (counted ``abandoned``): those keys are misses."""
-    n = 1024  # 64 MiB: the copies take long enough to be paused halfway
-    d = spawn(args=serve_args(tmp_path, disk=tmp_path / "disk", pool_pages=n, cpu_pages=2 * n))
-    with d.client("a") as c, grpc.insecure_channel(d.address) as ch:
-        att = c.attach(n)
-        got = c.allocate(att, n)
-        assert got is not None and att.tensor is not None
-        slots = [s for _, s in got]
-        keys = [b"gave-up-%d" % i for i in range(n)]
-        att.tensor.fill_(0xA1)
-        ref = pb.PoolRef(tenant="a", pool_id=att.pool_id, instance=att.instance)
-        call = pb_grpc.KVTierStub(ch).Store.future(
-            pb.StoreRequest(pool=ref, keys=keys, slots=slots), timeout=1.0)
-        time.sleep(0.01)
-        d.proc.send_signal(signal.SIGSTOP)
-        try:
-            with pytest.raises(grpc.RpcError) as err:
-                call.result()
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            att.tensor.fill_(0xB2)  # the caller reuses its slots, as an engine does
-        finally:
-            d.proc.send_signal(signal.SIGCONT)
-        time.sleep(2.0)  # the resumed daemon finishes the call
-        found = len(c.lookup(keys))
-        if found:
-            back = c.attach(8)
-            page = c.allocate(back, 1)
-            assert page is not None and back.tensor is not None
-            for i in range(0, found, max(1, found // 16)):
-                assert c.load(back, [keys[i]], [page[0][1]]) == 1
-                assert bool((back.tensor[page[0][1]] == 0xA1).all()), f"key {i}: other bytes"
-    assert "Traceback" not in d.output()

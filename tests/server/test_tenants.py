@@ -27,7 +27,7 @@ from kvtier.client import (
     connect,
     connect_async,
 )
-from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args
+from kvtier_daemon_fixture import PAGE, Daemon, daemon_env, serve_args, with_fd_limit
 
 from kvtier.errors import CapacityError, FailedPrecondition
 from kvtier.types import Tier
@@ -287,12 +287,10 @@ def test_one_tenant_cannot_take_every_session(spawn: Callable[..., Daemon],
     from kvtier.client.fdpass import Session
 
     limit = 512  # session connections: 64; one tenant's sessions holding pools: 16
-    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
-            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0)
+    argv = with_fd_limit(serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0), limit)
     env = daemon_env(KVCACHED_OFFLOAD_TENANTS_FILE=str(tenants_file(tmp_path)),
                      KVCACHED_OFFLOAD_MAX_POOLS_PER_TENANT="100")
-    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]], env=env)
+    d = spawn(args=argv, env=env)
     md = [("kvtier-tenant-token", TOKENS["a"])]
     sessions, refused = [], 0
     with grpc.insecure_channel(d.address) as ch:
@@ -328,10 +326,8 @@ def test_registered_pools_count_toward_the_session_shares(spawn: Callable[..., D
     from kvtier.client.ipc import SharedMemory
 
     limit = 512  # session connections: 64; per tenant 16, per client user 32
-    wrap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
-            f"({limit}, {limit})); os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-    argv = serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0)
-    d = spawn(args=[sys.executable, "-c", wrap, *argv[1:]])
+    argv = with_fd_limit(serve_args(tmp_path, disk=tmp_path / "disk", metrics_port=0), limit)
+    d = spawn(args=argv)
     mem = SharedMemory(4 * 4096)
     path = d.address[len("unix://"):] + ".fd"
     held: list[Session] = []
