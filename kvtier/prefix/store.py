@@ -15,7 +15,8 @@ Contract:
       of the local prefix: a lookup answers ``Tier.REMOTE`` for those blocks, a load lands them
       in the CPU tier first (like a disk hit). A store fault is a local-only answer.
     * ``store`` and ``load`` with a ``caller`` (``kvtier/caller.py``) copy nothing more once it
-      is gone (it may have reused its slots): the keys not stored, the blocks not loaded.
+      is gone (it may have reused its slots): the keys not stored (nor written behind), the
+      blocks not loaded.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ class PrefixStore:
                     if not full:
                         break
             self.wait(started)
-            held: Held = []
-            if core.remote is not None and core.remote.admission == "always":
+            held: Held = []  # none for a caller gone: a copy under way then may hold new bytes
+            if (core.remote is not None and core.remote.admission == "always"
+                    and not (caller is not None and caller.gone)):
                 held = hold(core, succeeded(pending.sent), fresh=True)
             stored += sum(r is True for b in started for r in b.results or ())
         offer(core, held)  # copies for the write-behind, without the engine lock
@@ -254,9 +256,7 @@ class PrefixStore:
         return tiers
 
     def _count_misses(self, owner: int, n: int) -> None:
-        """``n`` blocks a lookup asked for and found nowhere (daemon-wide and the tenant's): one
-        miss per block, as one hit per block found, so hits / (hits + misses) is the share of
-        blocks asked for that were found."""
+        """A miss per block asked for and found nowhere, as a hit per block found."""
         if n:
             self._core.counters.misses += n
             self._core.ledger.misses[owner] += n

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtier import Tier, TierEngine
+from kvtier.caller import Caller
 from kvtier.errors import ConfigError
 from kvtier.prefix.salt import salt_key
 from kvtier.tiers.frame import Framer
@@ -391,3 +392,37 @@ def test_a_block_known_for_half_its_ttl_is_offered_again(tmp_path):
         assert remote.wants(salt_key("t", b"k"))
     finally:
         engine.close(grace=5)
+
+
+class _LeavesDuringCopies(Caller):
+    """A caller still waiting when the store checks before its chunk and when the chunk's copy
+    batch is launched, gone by the store's end (its timeout passed while the copies ran: some
+    may have read memory it reused since)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    @property
+    def gone(self) -> bool:
+        self.checks += 1
+        return self.checks > 2
+
+
+def test_a_store_whose_caller_left_during_its_copies_writes_nothing_behind(tmp_path):
+    """What such a store stored is taken back locally (``forget``), but it was still handed to
+    the write-behind: another daemon (and this one, after the take-back) then loaded from the
+    remote store bytes the caller had written after it gave up (813 of 1,024 pages of a
+    paused daemon's store, 3 mixed)."""
+    medium = DictMedium()
+    with TierEngine(small_config(None, remote_secret_file=secret_file(tmp_path)),
+                    remote_medium=medium) as e:
+        (pool, slots), _ = stored_blocks(e, "t", 2)
+        caller = _LeavesDuringCopies()
+        e.store(pool.pool_id, [b"w0", b"w1"], slots, caller)
+        assert caller.checks == 3  # the chunk, its launch, the write-behind
+        assert e.prefix._core.remote.flush(5)
+        assert medium.data == {}
+        assert e.store(pool.pool_id, [b"w2"], slots[:1]) == 1  # a caller still there: written
+        assert e.prefix._core.remote.flush(5)
+        assert len(medium.data) == 1
