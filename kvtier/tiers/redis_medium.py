@@ -241,9 +241,10 @@ class RedisMedium(KeyedMedium):
         return [r == 1 for r in results]
 
     def _count(self, keys: Sequence[bytes]) -> int | None:
-        """How many of ``keys`` exist (a key given twice counts twice), or None on a fault."""
-        count = self._command(lambda client: client.exists(*keys))
-        return None if count is None else int(count)
+        """How many of ``keys`` exist (a key given twice counts twice), or None on a fault (a
+        reply that is not a count too: a Lookup then answers misses, never an error)."""
+        count: int | None = self._command(lambda client: _count_of(client.exists(*keys)))
+        return count
 
     def _command(self, call: Callable[[Any], Any]) -> Any:
         """One command on the client within the timeout: its reply, or None (down, in its
@@ -332,3 +333,10 @@ def _kind(exc: BaseException) -> str:
     if isinstance(exc, rx.RedisClusterException):
         return "cluster"
     return "other"
+
+
+def _count_of(reply: Any) -> int:
+    """An integer reply, or ``TypeError`` (a counted fault in ``_command``)."""
+    if isinstance(reply, bool) or not isinstance(reply, int):
+        raise TypeError(f"EXISTS answered {type(reply).__name__}, not an integer")
+    return reply
