@@ -20,7 +20,7 @@ REMOTE_METRIC_NAMES = (
 )
 DROP_REASONS = ("closed", "queue_full", "store")
 REJECT_REASONS = ("header", "key", "length", "mac")
-ERROR_KINDS = ("cluster", "connection", "oom", "other", "timeout")
+ERROR_KINDS = ("cluster", "connection", "oom", "other", "protocol", "timeout")
 
 
 def remote_metrics(r: RemoteStats | None) -> Iterator[Metric]:

@@ -128,7 +128,7 @@ class RedisMedium(KeyedMedium):
         self._answered = time.monotonic()
         kind = _kind(exc)
         self._errors[kind] = self._errors.get(kind, 0) + 1
-        if kind in ("connection", "timeout", "cluster"):
+        if kind in ("connection", "timeout", "cluster", "protocol"):  # unusable for now
             if self._reachable:
                 log.warning("remote store %sunreachable (%s): %s", f"node {node} " if node else "",
                             kind, type(exc).__name__)
@@ -332,6 +332,8 @@ def _kind(exc: BaseException) -> str:
         return "connection"
     if isinstance(exc, rx.RedisClusterException):
         return "cluster"
+    if isinstance(exc, rx.InvalidResponse | TypeError | ValueError):
+        return "protocol"  # not RESP, or the wrong reply type: not a Redis we can use
     return "other"
 
 
