@@ -30,7 +30,8 @@ def remote_metrics(r: RemoteStats | None) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvtier_remote_up", "1 while the remote store answers.", value=int(r.reachable))
     moved = CounterMetricFamily(
-        "kvtier_remote_bytes_total", "Page bytes written to / read from the remote store.",
+        "kvtier_remote_bytes_total",
+        "Bytes of values (framed pages) written to / read from the remote store.",
         labels=["direction"])
     pages = CounterMetricFamily(
         "kvtier_remote_pages_total", "Pages written to / read from the remote store.",

@@ -196,7 +196,7 @@ class RemoteTier:
         self._remember(list(salted[:n]))
         with self._lock:
             self._read_pages += n
-            self._read_bytes += n * length
+            self._read_bytes += sum(self.framer.framed_size(s, length) for s in salted[:n])
 
     def _count_rejected(self, reason: str) -> None:
         log.debug("remote value refused (%s)", reason)

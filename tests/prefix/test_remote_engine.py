@@ -78,6 +78,7 @@ def test_a_store_in_one_engine_is_found_and_loaded_exactly_by_another(pair):
     assert stats.counters.hits[Tier.REMOTE] == 3
     assert a.stats().remote.written_pages == 3
     assert a.stats().remote.written_bytes == sum(len(v) for v in medium.data.values())
+    assert stats.remote.read_bytes == a.stats().remote.written_bytes  # both: values' bytes
 
 
 def test_a_store_larger_than_one_transfer_batch_is_written_whole(tmp_path):
