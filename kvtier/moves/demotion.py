@@ -159,7 +159,10 @@ class Cascade:
         CPU tier, or (``own``: ``page_size`` has pages of its own to push out) down to a chunk.
         With ``own``, only a chunk at most a quarter used is emptied. One chunk at a time
         (none while one's pages are still on their way out), and only one whose every page
-        may be a victim."""
+        may be a victim; a tenant's quota does not keep a chunk at most a quarter used (it
+        holds the whole chunk's budget for a few pages: with one block at each of four page
+        sizes, a tenant within a 1 MiB quota held all 4 MiB of a CPU tier, and another tenant
+        within its own quota stored nothing)."""
         place, t = self._place, self._place.table
         protected = self._victims_of(Tier.CPU, owners)
         for size, first, per, used in place.host.chunks_in_use(exclude=page_size):
@@ -170,7 +173,8 @@ class Cascade:
                 if not len(rows):
                     return  # a chunk being emptied (or filled): its end frees budget first
                 continue
-            if protected(rows).any():
+            keeps = self._protected if used * 4 <= per else protected
+            if keeps(rows).any():
                 continue
             self._count_evictions(Tier.CPU, rows)
             self.demote(Tier.CPU, rows, size)

@@ -283,3 +283,26 @@ def test_a_load_that_can_get_no_cpu_room_is_a_miss_not_a_wait(make_engine):
     assert engine.load(pa.pool_id, theirs[:1], [slot]) == 0
     assert loads_exactly(engine, pb, keys("b", 8), 5)  # b's pages untouched
     ledger_matches_table(engine)
+
+
+def test_blocks_of_many_page_sizes_within_a_quota_do_not_hold_the_whole_cpu_tier(make_engine):
+    """Each page size has pinned chunks of its own, and a quota kept its tenant's pages: one
+    block at each of four page sizes (40 KiB, within a 1 MiB quota) held all four 1 MiB chunks
+    of the CPU tier, and another tenant within its 2 MiB quota stored 0 of 32 blocks. A chunk
+    at most a quarter used now makes way whatever its tenants' quotas (its pages go down)."""
+    mib = 1 << 20
+    engine = make_engine(cpu_memory_gb=4 * mib / 2**30, gpu_memory_gb=4 * mib / 2**30,
+                         disk_gb=16 * mib / 2**30, disk_admission="always",
+                         tenant_quotas=f"a=cpu:{mib}B;b=cpu:{2 * mib}B")
+    for i, size in enumerate((4096, 8192, 12288, 16384)):
+        pool = engine.attach("a", 1, size)
+        got = engine.allocate(pool.pool_id, 1)
+        assert got is not None
+        assert engine.store(pool.pool_id, [b"a%d" % i], [got[0][1]]) == 1
+    pool = engine.attach("b", 32, 65536)  # a fifth page size: no chunk of its own yet
+    got = engine.allocate(pool.pool_id, 32)
+    assert got is not None
+    keys = [b"b%d" % i for i in range(32)]
+    assert engine.store(pool.pool_id, keys, [s for _, s in got]) == 32
+    assert len(engine.lookup("b", keys)) == 32
+    assert len(engine.lookup("a", [b"a%d" % i for i in range(4)])) == 4  # a's went to disk
