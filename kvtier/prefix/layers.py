@@ -73,7 +73,7 @@ def load_layers(
     bounds: Sequence[int],
     caller: Caller | None = None,
 ) -> Iterator[int]:
-    core = prefix.core
+    core, caller = prefix.core, caller or Caller()  # none given: one that waits
     keys, slots = unrepeated(keys, slots)
     with core.cond:
         pool = prefix.pool(pool_id)
@@ -90,11 +90,11 @@ def load_layers(
             salted = salt_keys(pool.tenant, keys)
             lent = len(prefix.lendable(pool, salted))
             rows = prefix.resident_prefix(pool, salted[:lent], None,  # protected until the end
-                                          None if caller is None else caller.patience)
+                                          caller.patience)
             srcs, dsts = core.table.slot[rows], np.array(slots[: len(rows)], dtype=np.int64)
         n = len(rows)
         for lo, hi in pairwise(b):
-            if caller is not None and caller.gone:
+            if caller.gone:
                 n = 0  # it may have reused its slots: nothing more is copied
             if n:
                 n = _copy_group(prefix, pool, rows[:n], srcs[:n], dsts[:n], (lo, hi), caller)

@@ -86,7 +86,7 @@ class PrefixStore:
 
     def store(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
               caller: Caller | None = None) -> int:
-        core = self._core
+        core, caller = self._core, caller or Caller()
         with core.cond:
             pool = self.pool(pool_id)
             keys, slots = self.args(pool, keys, slots)
@@ -95,7 +95,7 @@ class PrefixStore:
             with self.lend(pool, Direction.GPU_TO_CPU) as loan:
                 pending = Copies(pool, Direction.GPU_TO_CPU, loan, caller)
                 for size in chunk_sizes(len(keys), pool.page_size, core.config.batch_bytes):
-                    if caller is not None and caller.gone:
+                    if caller.gone:
                         break
                     todo, busy = self._new_keys(pool, keys[at : at + size],
                                                 slots[at : at + size])
@@ -108,18 +108,16 @@ class PrefixStore:
             self.wait(started)
             held: Held = []  # none for a caller gone: a copy under way then may hold new bytes
             if (core.remote is not None and core.remote.admission == "always"
-                    and not (caller is not None and caller.gone)):
+                    and not caller.gone):
                 held = hold(core, succeeded(pending.sent), fresh=True)
             stored += sum(r is True for b in started for r in b.results or ())
         offer(core, held)  # copies for the write-behind, without the engine lock
         return stored
 
     def forget(self, pool_id: PoolId, keys: Sequence[bytes]) -> int:
-        """Drop ``keys`` of the pool's tenant (counted ``abandoned``): what a Store whose caller
-        gave up stored. Its copies may have read the caller's memory after the caller stopped
-        waiting and reused it (a daemon paused past the caller's timeout, then resumed), so a
-        hit on them could return other bytes. Keys in use (being loaded, or moving) stay.
-        Returns how many were dropped."""
+        """Drop ``keys`` of the pool's tenant (counted ``abandoned``), those in use (being loaded
+        or moving) excepted; how many: what a Store whose caller gave up stored (a copy under
+        way when it left may have read memory it reused since: a hit could be other bytes)."""
         core = self._core
         with core.cond:
             pool = core.pools.get(pool_id)
@@ -264,6 +262,7 @@ class PrefixStore:
     def load(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
              caller: Caller | None = None) -> int:
         keys, slots = unrepeated(keys, slots)
+        caller = caller or Caller()  # none given: one that waits
         loaded = self._load_once(pool_id, keys, slots, caller)
         # A remote fetch brings a bounded window past the local prefix: while a pass loads
         # something, the next one fetches on from where it stopped (a miss ends it).
@@ -275,7 +274,7 @@ class PrefixStore:
         return loaded
 
     def _load_once(self, pool_id: PoolId, keys: Sequence[bytes], slots: Sequence[int],
-                   caller: Caller | None) -> int:
+                   caller: Caller) -> int:
         core = self._core
         staged = self.fetch_remote(pool_id, keys, slots)  # in CPU slots, not yet pages
         reused: Held = []  # blocks reused for the first time: offered once the lock is released
@@ -295,7 +294,7 @@ class PrefixStore:
 
     def _load_windows(
         self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held,
-        caller: Caller | None,
+        caller: Caller,
     ) -> int:
         # A prefix longer than a window is brought up from disk and copied a window at a time.
         window = self.cpu_window(pool)
@@ -326,7 +325,7 @@ class PrefixStore:
 
     def _load_window(
         self, pool: Pool, keys: list[bytes], slots: list[int], reused: Held,
-        caller: Caller | None,
+        caller: Caller,
     ) -> int:
         """Copy the stored prefix of ``keys`` (a window: all of it protected until copied) a
         chunk at a time, each chunk's copies under way while the next chunk's keys are looked
@@ -341,10 +340,10 @@ class PrefixStore:
         try:
             with self.lend(pool, Direction.CPU_TO_GPU) as loan:
                 for i, size in enumerate(sizes):
-                    if caller is not None and caller.gone:
+                    if caller.gone:
                         break
                     rows = self.resident_prefix(pool, salted.span(at, at + size), loan,
-                                                None if caller is None else caller.patience)
+                                                caller.patience)
                     held.append(rows)
                     batches += self._copy_in(pool, rows, slots[at : at + len(rows)], loan,
                                              caller)
