@@ -229,21 +229,21 @@ class _Acquire:
         self.pending, self.pending_gens = _where(rows, away), _where(gens, away)
         self.pinned = _where(rows, np.logical_not(away))  # pinned here; the rest by ``land``
         self._waits_counted = False
-        self._count_hits()
+        self._count_acquired()
 
-    def _count_hits(self) -> None:
+    def _count_acquired(self) -> None:
         """A page acquired, counted in the tier its bytes were found in (one comparison pass
         when all are in one tier, the common case)."""
-        hits, rows = self.core.counters.acquired, self.rows
+        acquired, rows = self.core.counters.acquired, self.rows
         if not len(rows):
             return
         tiers, wire = self.core.table.tier[rows], self.core.wire
         first = int(tiers[0])
         if (tiers == first).all():
-            hits[wire[first]] += len(rows)
+            acquired[wire[first]] += len(rows)
             return
         for level, count in enumerate(np.bincount(tiers)):
-            hits[wire[level]] += int(count)
+            acquired[wire[level]] += int(count)
 
     def run(self, deadline: float) -> bool:
         """Pin everything (True if anything had to be restored); raises with nothing held.
