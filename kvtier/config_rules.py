@@ -148,7 +148,7 @@ def disk_size_warning(c: Any, prefix: str) -> str | None:
     except OSError:
         return None
     size = st.f_blocks * st.f_frsize
-    if c.disk_budget_bytes <= size or not size:  # no size: /proc and the like, refused at start
+    if c.disk_budget_bytes <= size or not size:  # a filesystem that reports no size: no claim
         return None
     return (f"{prefix}DISK_GB={c.disk_gb!r} is more than the whole filesystem under "
             f"{c.disk_path} ({size / (1 << 30):.1f} GiB): the disk tier will run out of space "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from kvtier.client import Attachment, KVTierClient
 from kvtier.client.ipc import SharedMemory
 from kvtier_daemon_fixture import PAGE, Daemon, serve_args
 
@@ -35,6 +36,17 @@ def _paused_past_timeout(d: Daemon, call: grpc.Future, reuse: Callable[[], None]
     time.sleep(2.0)
 
 
+def _full_pool(c: KVTierClient, tag: bytes
+               ) -> tuple[Attachment, list[int], list[bytes], pb.PoolRef]:
+    """A pool of ``N`` acquired pages filled with 0xA1, its slots, ``N`` keys and its ref."""
+    att = c.attach(N)
+    got = c.allocate(att, N)
+    assert got is not None and att.tensor is not None
+    att.tensor.fill_(0xA1)
+    ref = pb.PoolRef(tenant=att.tenant, pool_id=att.pool_id, instance=att.instance)
+    return att, [s for _, s in got], [tag + b"-%d" % i for i in range(N)], ref
+
+
 def test_a_load_its_caller_gave_up_on_writes_nothing_after_the_deadline(
         spawn: Callable[..., Daemon], tmp_path: Path) -> None:
     """A Load paused past the caller's timeout, then resumed, went on copying stored blocks into
@@ -44,15 +56,9 @@ def test_a_load_its_caller_gave_up_on_writes_nothing_after_the_deadline(
     pause came may still land."""
     d = spawn(args=serve_args(tmp_path, disk=tmp_path / "disk", pool_pages=N, cpu_pages=2 * N))
     with d.client("a") as c, grpc.insecure_channel(d.address) as ch:
-        att = c.attach(N)
-        got = c.allocate(att, N)
-        assert got is not None and att.tensor is not None
-        slots = [s for _, s in got]
-        keys = [b"late-%d" % i for i in range(N)]
-        att.tensor.fill_(0xA1)
+        att, slots, keys, ref = _full_pool(c, b"late")
         assert c.store(att, keys, slots) == N
-        att.tensor.fill_(0x00)
-        ref = pb.PoolRef(tenant="a", pool_id=att.pool_id, instance=att.instance)
+        att.tensor.fill_(0x00)  # type: ignore[union-attr]
         call = pb_grpc.KVTierStub(ch).Load.future(
             pb.LoadRequest(pool=ref, keys=keys, slots=slots), timeout=1.0)
         _paused_past_timeout(d, call, lambda: att.tensor.fill_(0xB2))  # type: ignore[union-attr]
@@ -94,13 +100,7 @@ def test_a_store_its_caller_gave_up_on_is_never_a_hit(
     that gave up is dropped (counted ``abandoned``): those keys are misses."""
     d = spawn(args=serve_args(tmp_path, disk=tmp_path / "disk", pool_pages=N, cpu_pages=2 * N))
     with d.client("a") as c, grpc.insecure_channel(d.address) as ch:
-        att = c.attach(N)
-        got = c.allocate(att, N)
-        assert got is not None and att.tensor is not None
-        slots = [s for _, s in got]
-        keys = [b"gave-up-%d" % i for i in range(N)]
-        att.tensor.fill_(0xA1)
-        ref = pb.PoolRef(tenant="a", pool_id=att.pool_id, instance=att.instance)
+        att, slots, keys, ref = _full_pool(c, b"gave-up")
         call = pb_grpc.KVTierStub(ch).Store.future(
             pb.StoreRequest(pool=ref, keys=keys, slots=slots), timeout=1.0)
         _paused_past_timeout(d, call, lambda: att.tensor.fill_(0xB2))  # type: ignore[union-attr]
